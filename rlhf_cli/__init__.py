@@ -1,0 +1,1 @@
+"""The `rlhf` command-line interface (the top layer: it may import flows, tasks and rlhf_core)."""

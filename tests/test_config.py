@@ -1,0 +1,132 @@
+"""Configuration: params.yaml, overlays and overrides resolve; every class of bad value names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_core.config import PPO_PRESETS, ConfigError, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "overlay.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_files_resolve() -> None:
+    base = load_config(PARAMS)
+    assert base.model.kind == "smollm2"
+    tiny = load_config(PARAMS, overlays=[ROOT / "configs" / "tiny.yaml"])
+    assert tiny.model.kind == "tiny" and tiny.sft.max_steps == 4
+    paper = load_config(PARAMS, overlays=[ROOT / "configs" / "paper-7b.yaml"])
+    assert paper.ppo.policy_lr == 5e-7 and paper.ppo.critic_lr == 1.65e-6
+    assert paper.distributed.zero_stage == 3
+
+
+def test_overlay_merges_and_override_wins(tmp_path: Path) -> None:
+    overlay = write(tmp_path, "sft:\n  lr: 0.001\n")
+    config = load_config(PARAMS, overlays=[overlay], overrides=["sft.lr=0.5", "reward.beta_rm=0"])
+    assert config.sft.lr == 0.5
+    assert config.reward.beta_rm == 0
+    assert config.sft.micro_batch_size == 4  # untouched keys keep params.yaml's value
+
+
+def test_override_values_are_parsed_as_yaml() -> None:
+    assert parse_override("ppo.value_clip=null") == {"ppo": {"value_clip": None}}
+    assert parse_override("a.b=[1, 2]") == {"a": {"b": [1, 2]}}
+    assert parse_override("sft.skip=true") == {"sft": {"skip": True}}
+
+
+@pytest.mark.parametrize("bad", ["no-equals-sign", "=3", "a..b=1"])
+def test_malformed_override_is_rejected(bad: str) -> None:
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_override(bad)
+
+
+def test_unknown_key_names_the_path_and_the_allowed_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["ppo.rollout.temprature=0.7"])
+    message = str(err.value)
+    assert "ppo.rollout.temprature: unknown key" in message
+    assert "temperature" in message  # the allowed keys are listed
+
+
+def test_unknown_top_level_section() -> None:
+    with pytest.raises(ConfigError, match="trainer: unknown key; allowed keys here: data, distributed"):
+        load_config(PARAMS, overrides=["trainer.lr=1"])
+
+
+def test_wrong_type_names_key_and_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["sft.micro_batch_size=four"])
+    assert "sft.micro_batch_size" in str(err.value) and "'four'" in str(err.value)
+
+
+def test_out_of_range_names_key_and_bound() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["ppo.clip_eps=1.5"])
+    assert "ppo.clip_eps: Input should be less than 1 (got 1.5)" in str(err.value)
+
+
+def test_bad_choice_lists_the_allowed_values() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["model.kind=gpt"])
+    assert "model.kind" in str(err.value) and "'smollm2', 'tiny' or 'pretrained'" in str(err.value)
+
+
+def test_cross_field_rule_is_reported() -> None:
+    with pytest.raises(ConfigError, match="eval_fraction \\+ rm_val_fraction \\+ ppo_fraction"):
+        load_config(PARAMS, overrides=["data.eval_fraction=0.5", "data.rm_val_fraction=0.5"])
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(PARAMS, overrides=["model.kind=pretrained"])
+
+
+def test_all_errors_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["sft.lr=-1", "reward.epochs=0"])
+    assert "sft.lr" in str(err.value) and "reward.epochs" in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize("preset", sorted(PPO_PRESETS))
+def test_preset_fills_unset_switches(preset: str) -> None:
+    config = load_config(PARAMS, overrides=[f"ppo.preset={preset}"])
+    for switch, value in PPO_PRESETS[preset].items():
+        assert getattr(config.ppo, switch) == value, switch
+
+
+def test_explicit_switch_beats_preset() -> None:
+    config = load_config(PARAMS, overrides=["ppo.preset=vanilla", "ppo.value_clip=0.3"])
+    assert config.ppo.value_clip == 0.3
+    assert config.ppo.kl_coef == PPO_PRESETS["vanilla"]["kl_coef"]
+
+
+def test_params_yaml_leaves_switches_to_the_preset() -> None:
+    """params.yaml must not pin a switch, or choosing the vanilla preset would silently keep it."""
+    ppo_section = yaml.safe_load(PARAMS.read_text())["ppo"]
+    assert not set(ppo_section) & set(PPO_PRESETS["ppo_max"])
+
+
+def test_config_is_frozen() -> None:
+    config = load_config(PARAMS)
+    with pytest.raises(Exception):
+        config.sft.lr = 1.0  # type: ignore[misc]
+
+
+def test_section_hash_changes_only_with_its_section() -> None:
+    a = load_config(PARAMS)
+    b = load_config(PARAMS, overrides=["ppo.kl_coef=0.02"])
+    assert a.section_hash("sft") == b.section_hash("sft")
+    assert a.section_hash("ppo") != b.section_hash("ppo")
