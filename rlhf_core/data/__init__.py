@@ -1,0 +1,1 @@
+"""Preference-data preparation: read, parse, validate, deduplicate and split human preference pairs."""

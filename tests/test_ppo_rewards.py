@@ -1,0 +1,91 @@
+"""Score normalisation/scaling with running statistics, and the KL-penalised token rewards."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.ppo.normalizers import RunningMeanStd
+from rlhf_core.ppo.rewards import normalize_scores, scale_scores, token_level_rewards
+
+
+def right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
+    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def running_with(mean: float, var: float) -> RunningMeanStd:
+    running = RunningMeanStd(eps=0.0)
+    running.load_state_dict({"count": 10, "mean": mean, "var": var})
+    return running
+
+
+def test_normalize_then_clip_on_hand_values() -> None:
+    running = running_with(mean=1.0, var=4.0)  # std 2
+    scores = torch.tensor([1.0, 3.0, -5.0, 21.0])
+    assert normalize_scores(scores, running, clip=None).tolist() == [0.0, 1.0, -3.0, 10.0]
+    assert normalize_scores(scores, running, clip=5.0).tolist() == [0.0, 1.0, -3.0, 5.0]
+    assert normalize_scores(-scores, running, clip=2.5).tolist() == [-1.0, -2.0, 2.0, -2.5]
+
+
+def test_scale_divides_by_std_only() -> None:
+    running = running_with(mean=1.0, var=4.0)
+    scores = torch.tensor([1.0, 3.0, -5.0, 21.0])
+    assert scale_scores(scores, running).tolist() == [0.5, 1.5, -2.5, 10.5]
+    assert scale_scores(scores, running, clip=3.0).tolist() == [0.5, 1.5, -2.5, 3.0]
+
+
+def test_first_batch_updated_then_normalised_is_its_z_score() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = 4.0 + 3.0 * torch.randn(16, generator=generator, dtype=torch.float64)
+    running = RunningMeanStd()
+    running.update(scores)
+    raw = scores.numpy()
+    expected = (raw - raw.mean()) / np.sqrt(raw.var() + running.eps)
+    normalized = normalize_scores(scores, running, clip=None)
+    np.testing.assert_allclose(normalized.numpy(), expected, rtol=1e-12)
+
+
+def test_normalising_before_any_update_is_refused() -> None:
+    with pytest.raises(ValueError, match="update"):
+        normalize_scores(torch.tensor([1.0]), RunningMeanStd(), clip=5.0)
+    with pytest.raises(ValueError, match="update"):
+        scale_scores(torch.tensor([1.0]), RunningMeanStd())
+    with pytest.raises(ValueError, match="positive"):
+        normalize_scores(torch.tensor([1.0]), running_with(0.0, 1.0), clip=0.0)
+
+
+def test_token_rewards_put_kl_on_real_tokens_and_score_on_the_last() -> None:
+    generator = torch.Generator().manual_seed(1)
+    lengths, width, kl_coef = [4, 1, 2], 4, 0.1
+    mask = right_padded_mask(lengths, width)
+    kl = torch.randn(3, width, generator=generator, dtype=torch.float64)
+    kl = kl.masked_fill(~mask, float("nan"))
+    scores = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+
+    rewards = token_level_rewards(scores, kl, mask, kl_coef)
+
+    for row, length in enumerate(lengths):
+        for t in range(width):
+            if t >= length:
+                expected = 0.0
+            elif t == length - 1:
+                expected = -kl_coef * kl[row, t].item() + scores[row].item()
+            else:
+                expected = -kl_coef * kl[row, t].item()
+            assert rewards[row, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_token_rewards_on_hand_values() -> None:
+    mask = right_padded_mask([3, 1], 3)
+    kl = torch.tensor([[1.0, -2.0, 0.5], [4.0, 7.0, 7.0]])
+    rewards = token_level_rewards(torch.tensor([10.0, 20.0]), kl, mask, kl_coef=0.5)
+    assert rewards.tolist() == [[-0.5, 1.0, 9.75], [18.0, 0.0, 0.0]]
+
+
+def test_token_rewards_reject_bad_shapes_and_masks() -> None:
+    mask = right_padded_mask([2, 1], 3)
+    with pytest.raises(ValueError, match="scores"):
+        token_level_rewards(torch.zeros(3), torch.zeros(2, 3), mask, 0.1)
+    with pytest.raises(ValueError, match="mask"):
+        token_level_rewards(torch.zeros(2), torch.zeros(2, 4), mask, 0.1)
+    with pytest.raises(ValueError, match="right-padded"):
+        token_level_rewards(torch.zeros(1), torch.zeros(1, 3), torch.tensor([[1, 0, 1]]), 0.1)
