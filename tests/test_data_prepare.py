@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core.data.io import atomic_directory
+from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import (
     REPORT_FILE,

@@ -1,7 +1,7 @@
 """The data stage: read -> parse -> validate -> deduplicate -> split -> write, with a report of every drop.
 
 `prepare_preference_data` reads everything and validates it before it creates anything on disk, then
-writes the output directory atomically (see io.atomic_directory), so a failed run leaves no output and
+writes the output directory atomically (rlhf_core.atomic.atomic_directory), so a failed run leaves no output and
 never touches the previous good one. Output files:
 
     rm_train.parquet, rm_val.parquet, eval.parquet   pairs: pair_id, prompt_id, prompt, chosen,
@@ -29,7 +29,8 @@ from pydantic import BaseModel
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.formats import detect_format, parse_row
-from rlhf_core.data.io import PROMPT_TYPE, atomic_directory, read_parquet, write_parquet
+from rlhf_core.atomic import atomic_directory
+from rlhf_core.data.io import PROMPT_TYPE, read_parquet, write_parquet
 from rlhf_core.data.readers import OpenedSource, RawRow, Source, open_source
 from rlhf_core.data.records import Drop, DropReason, Message, PpoPrompt, PreferencePair, SftExample
 from rlhf_core.data.splits import SplitConfig, Splits, split_pairs

@@ -1,0 +1,1 @@
+"""The shared, exactly-resumable training loop used by the SFT and reward-model stages."""

@@ -1,0 +1,88 @@
+"""The `rlhf` command as a user runs it: exit status, one-line errors, outputs where promised."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
+
+
+def rlhf(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run the installed console entry point in a fresh process."""
+    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def hh_pair(number: int) -> dict[str, str]:
+    prompt = f"\n\nHuman: How do I water plant number {number}?"
+    return {
+        "chosen": f"{prompt}\n\nAssistant: Water it weekly, plant {number} likes moist soil.",
+        "rejected": f"{prompt}\n\nAssistant: Never water plant {number}.",
+    }
+
+
+def test_config_show_prints_resolved_yaml() -> None:
+    result = rlhf("config", "show", "-c", str(TINY), "-s", "ppo.preset=vanilla")
+    assert result.returncode == 0, result.stderr
+    assert "kind: tiny" in result.stdout
+    assert "value_clip: null" in result.stdout  # the vanilla preset filled the switch
+
+
+def test_bad_config_is_one_line_on_stderr_with_status_2() -> None:
+    result = rlhf("config", "show", "-s", "sft.lr=-1")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlhf: error: invalid configuration: sft.lr")
+
+
+def test_prepare_data_writes_splits_report_and_metrics(tmp_path: Path) -> None:
+    data = tmp_path / "pairs.jsonl"
+    rows = [json.dumps(hh_pair(i)) for i in range(40)] + ["{broken"]
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "prepared"
+    result = rlhf("prepare-data", "-c", str(TINY), "--data", str(data), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "kept 40 of 41 rows (dropped: malformed_json 1)" in result.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["pairs_kept"] == 40 and metrics["dropped.malformed_json"] == 1
+    assert metrics["split.rm_train"] > 0 and metrics["split.sft"] == metrics["split.rm_train"]
+    assert {p.name for p in out.iterdir()} >= {"data_report.json", "metrics.json", "sft.parquet"}
+
+
+def test_prepare_data_accepts_a_directory_of_files(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_text("\n".join(json.dumps(hh_pair(i)) for i in range(10)) + "\n")
+    (raw / "b.jsonl").write_text("\n".join(json.dumps(hh_pair(i)) for i in range(10, 25)) + "\n")
+    result = rlhf("prepare-data", "-c", str(TINY), "--data", str(raw), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "data_report.json").read_text())
+    assert [Path(source["name"]).name for source in report["sources"]] == ["a.jsonl", "b.jsonl"]
+    assert report["pairs_kept"] == 25
+
+
+def test_missing_data_file_fails_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = rlhf("prepare-data", "-c", str(TINY), "--data", str(tmp_path / "nope.jsonl"), "--out", str(out))
+    assert result.returncode == 1
+    assert "nope.jsonl" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not SHARED_PAIRS.is_file(), reason="shared HH-RLHF pairs not present")
+def test_prepare_data_on_the_shared_hh_pairs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = rlhf("prepare-data", "--data", str(SHARED_PAIRS), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["rows_read"] == 1800
+    assert report["drops"]["empty_reply"]["count"] == 4
+    assert report["drops"]["malformed_turns"]["count"] == 5
+    assert report["split_counts"]["rm_val"] >= 300  # issue 3 reports RM accuracy on >= 300 pairs
