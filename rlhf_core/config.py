@@ -140,6 +140,11 @@ class RewardConfig(TrainingConfig):
     beta_rm: float = Field(1.0, ge=0, description="Weight of the LM loss term; 0 turns it off.")
     batching: Literal["fixed", "token_budget"] = "fixed"
     token_budget: int = Field(4096, gt=0, description="Padded tokens per micro-batch (token_budget).")
+    cache_frozen_layers: bool = Field(
+        True,
+        description="With trainable_top_layers: compute the frozen lower blocks once per sequence and "
+        "reuse them in later epochs and validations (memory: hidden_size floats per token).",
+    )
 
 
 # --------------------------------------------------------------------------------------------------

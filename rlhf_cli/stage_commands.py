@@ -1,0 +1,88 @@
+"""The `rlhf sft`, `rlhf train-rm` and `rlhf score-pairs` subcommands (registered in rlhf_cli/main.py).
+
+They follow the CLI's conventions: `--config FILE` overlays (repeatable), `-s key.path=value` overrides
+(repeatable), `--params FILE`, `--out DIR` (default `artifacts/<stage>/`). Stage code
+is imported inside each command so `rlhf --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, SftDirOption, resolve_config
+
+
+
+
+def _resumed_note(metrics: dict[str, float]) -> str:
+    resumed = int(metrics.get("resumed_from", 0))
+    return f" (resumed from checkpoint step {resumed})" if resumed else ""
+
+
+def sft(
+    data_dir: DataDirOption = Path("artifacts/data"),
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    out: OutOption = None,
+) -> None:
+    """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
+    from rlhf_core.stages.sft import run_sft
+
+    resolved = resolve_config(params, config, set_)
+    result = run_sft(resolved, data_dir, out if out is not None else Path("artifacts/sft"))
+    metrics = result.metrics
+    verb = (
+        "handed on the base model untrained"
+        if metrics["skipped"]
+        else f"trained {int(metrics['steps'])} steps"
+    )
+    typer.echo(
+        f"sft: {verb}{_resumed_note(metrics)}; held-out reply perplexity "
+        f"{metrics['perplexity_before']:.3f} -> {metrics['perplexity_after']:.3f} "
+        f"on {int(metrics['heldout_examples'])} replies; model in {result.model_dir}"
+    )
+
+
+def train_rm(
+    data_dir: DataDirOption = Path("artifacts/data"),
+    sft_dir: SftDirOption = Path("artifacts/sft"),
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    out: OutOption = None,
+) -> None:
+    """Train the reward model (ranking loss + beta_rm * LM loss); keep the best by validation accuracy."""
+    from rlhf_core.stages.reward import run_train_rm
+
+    resolved = resolve_config(params, config, set_)
+    result = run_train_rm(resolved, data_dir, sft_dir, out if out is not None else Path("artifacts/reward"))
+    metrics = result.metrics
+    typer.echo(
+        f"train-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs"
+        f"{_resumed_note(metrics)}; best step {int(metrics['best_step'])}: validation accuracy "
+        f"{metrics['val/accuracy']:.3f} "
+        f"(95% CI {metrics['val/accuracy_low']:.3f}-{metrics['val/accuracy_high']:.3f}) "
+        f"on {int(metrics['val/pairs'])} pairs, mean margin {metrics['val/margin_mean']:.3f}; "
+        f"model in {result.model_dir}"
+    )
+
+
+def score_pairs(
+    model: Annotated[Path, typer.Option("--model", help="A train-rm output directory or its model/.")],
+    data: Annotated[str, typer.Option("--data", help="A preference file, a directory of them, or a Hub id.")],
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    out: OutOption = None,
+) -> None:
+    """Score every pair of a file with a trained reward model; print accuracy and its 95% interval."""
+    from rlhf_core.stages.reward import score_pair_file
+
+    resolved = resolve_config(params, config, set_)
+    result = score_pair_file(resolved, model, data, out)
+    left_out = f"; left out {result.rows_dropped} unreadable rows and {result.pairs_too_long} too-long pairs"
+    typer.echo(f"score-pairs: {result.accuracy.describe()}{left_out}")

@@ -1,0 +1,343 @@
+"""Stage `train-rm`: the reward model of paper section 4.2, and `score-pairs` to check one on any pair file.
+
+The backbone starts from the SFT stage's model/ (`reward.init_from: sft`) or the base model (`base`); a
+fresh scalar head reads the final hidden state at the reply's end-of-turn token. Loss, eq. (2): the
+ranking loss -log sigmoid(r_chosen - r_rejected) averaged over pairs, plus `beta_rm` times the LM loss on
+the chosen reply averaged over its tokens. Batches hold a fixed number of pairs or, with
+`reward.batching: token_budget`, as many as fit a padded-token budget (the paper's dynamic batching).
+The learning rate warms up over the first `warmup_ratio` of the steps and then stays constant.
+
+With `trainable_top_layers` set, the frozen lower blocks' output is computed once per sequence and
+reused by every later epoch and validation (`reward.cache_frozen_layers`, rlhf_core.reward.frozen_cache).
+
+The output model is the checkpoint with the best validation accuracy: every improvement is saved to
+model/ (loadable with `RewardModel.from_pretrained`, as PPO does). At the end that model is scored on
+every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses) and
+plots/reward_margin_hist.png (the paper's Figure 2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.config import Config, RewardConfig
+from rlhf_core.data.formats import parse_row
+from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.data.readers import RawRow, open_source
+from rlhf_core.data.records import PreferencePair
+from rlhf_core.models.base import DTYPES, load_base_model
+from rlhf_core.models.chat import end_of_turn_id
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.models.saving import HEAD_CONFIG_FILE
+from rlhf_core.reward.batch import EncodedPairs, PairBatch, collate_pairs, encode_pairs, padded_pair_length
+from rlhf_core.reward.frozen_cache import FrozenLowerCache
+from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
+from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
+from rlhf_core.reward.plots import plot_margin_histogram
+from rlhf_core.reward.scoring import PairScores, pair_outputs, score_pair_batches
+from rlhf_core.sft.batch import evaluation_chunks
+from rlhf_core.sft.loss import count_target_tokens
+from rlhf_core.stages.prepare_data import resolve_sources
+from rlhf_core.stages.result import METRICS_FILE, StageResult, read_metrics, write_metrics
+from rlhf_core.stages.training_run import (
+    CHECKPOINTS_DIR,
+    HISTORY_FILE,
+    MODEL_DIR,
+    RunState,
+    loop_config,
+    mark_incomplete,
+    run_fingerprint,
+    stage_logger,
+    stage_settings,
+    training_device,
+)
+from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
+from rlhf_core.training.freezing import enable_gradient_checkpointing, freeze_all_but_top_layers
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger
+from rlhf_core.training.loop import total_steps, train
+
+MARGIN_PLOT = Path("plots") / "reward_margin_hist.png"
+Metrics = dict[str, float]
+
+
+# --------------------------------------------------------------------------------------------------
+# building blocks
+
+
+def initial_language_model(
+    config: Config, sft_dir: Path | None, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list[Path]]:
+    """The causal LM the reward model starts from, its tokenizer, and the files that identify it."""
+    if config.reward.init_from == "base":
+        model, tokenizer = load_base_model(config.model, device)
+        return model, tokenizer, []
+    if sft_dir is None:
+        raise ValueError("reward.init_from is 'sft' but no SFT output directory was given")
+    read_metrics(sft_dir)  # refuses an SFT output that has not finished
+    model, tokenizer = load_causal_lm(sft_dir / MODEL_DIR, dtype=DTYPES[config.model.dtype], device=device)
+    return model, tokenizer, [sft_dir / METRICS_FILE]
+
+
+def initial_reward_model(
+    config: Config, sft_dir: Path | None, device: torch.device
+) -> tuple[RewardModel, PreTrainedTokenizerBase, list[Path]]:
+    """The initial LM's backbone with a fresh scalar head (and its LM head when beta_rm > 0), frozen below
+    the top `trainable_top_layers` blocks; its tokenizer; the files identifying the initial LM."""
+    settings = config.reward
+    lm, tokenizer, init_files = initial_language_model(config, sft_dir, device)
+    model = RewardModel.from_causal_lm(
+        lm, end_of_turn_id(tokenizer), keep_lm_head=settings.beta_rm > 0, seed=config.seed
+    ).to(device)
+    freeze_all_but_top_layers(model, settings.trainable_top_layers)
+    if settings.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, tokenizer, init_files
+
+
+def frozen_layer_cache(model: RewardModel, settings: RewardConfig) -> FrozenLowerCache | None:
+    """A cache of the frozen lower blocks' output, when some blocks are frozen and caching is on."""
+    if settings.trainable_top_layers is None or not settings.cache_frozen_layers:
+        return None
+    num_lower = model.backbone.config.num_hidden_layers - settings.trainable_top_layers
+    return FrozenLowerCache(num_lower) if num_lower > 0 else None
+
+
+def pair_batch_plan(pairs: EncodedPairs, settings: RewardConfig, seed: int) -> BatchPlan:
+    """Fixed-size micro-batches of pairs, or micro-batches packed to `token_budget` padded tokens."""
+    if settings.batching == "fixed":
+        return fixed_size_plan(len(pairs.pairs), seed, settings.micro_batch_size, settings.grad_accum_steps)
+    lengths = [padded_pair_length(pair) for pair in pairs.pairs]
+    return token_budget_plan(lengths, seed, settings.token_budget, settings.grad_accum_steps)
+
+
+def validation_batches(pairs: EncodedPairs, batch_size: int, seed: int, pad_id: int) -> list[PairBatch]:
+    """Validation pairs as batches in a fixed seeded order (periodic validations use the first few)."""
+    return [
+        collate_pairs([pairs.pairs[i] for i in chunk], chunk, pad_id)
+        for chunk in evaluation_chunks(len(pairs.pairs), batch_size, seed)
+    ]
+
+
+def validation_metrics(scores: PairScores, beta_rm: float) -> Metrics:
+    """Accuracy with its Wilson interval, mean margin, and the eq. (2) loss terms on validation pairs."""
+    accuracy = pair_accuracy(scores.margins)
+    ranking = ranking_loss_sum(torch.from_numpy(scores.chosen), torch.from_numpy(scores.rejected)).item()
+    ranking /= accuracy.pairs
+    lm_loss = scores.lm_nll_sum / scores.lm_tokens if scores.lm_tokens else 0.0
+    return {
+        "val/accuracy": accuracy.accuracy,
+        "val/accuracy_low": accuracy.low,
+        "val/accuracy_high": accuracy.high,
+        "val/margin_mean": accuracy.mean_margin,
+        "val/pairs": float(accuracy.pairs),
+        "val/ranking_loss": ranking,
+        "val/lm_loss": lm_loss,
+        "val/loss": ranking + beta_rm * lm_loss,
+    }
+
+
+def count_pairs_and_tokens(batch: PairBatch) -> dict[str, int]:
+    """The units eq. (2) averages over: pairs (ranking term) and chosen reply tokens (LM term)."""
+    return {"pairs": len(batch.indices), "tokens": count_target_tokens(batch.chosen.labels)}
+
+
+def reward_loss_fn(
+    cache: FrozenLowerCache | None, beta_rm: float
+) -> Callable[[nn.Module, PairBatch, dict[str, int]], tuple[Tensor, Metrics]]:
+    """The loop's loss_fn: eq. (2) for a micro-batch, normalised by the optimizer step's totals."""
+
+    def loss_fn(model: nn.Module, batch: PairBatch, totals: dict[str, int]) -> tuple[Tensor, Metrics]:
+        outputs = pair_outputs(model, batch, cache, with_lm_loss=beta_rm > 0)
+        ranking = ranking_loss_sum(outputs.chosen_scores, outputs.rejected_scores)
+        loss = reward_model_loss(ranking, outputs.lm_nll_sum, totals["pairs"], totals["tokens"], beta_rm)
+        margins = (outputs.chosen_scores - outputs.rejected_scores).detach()
+        metrics = {
+            "ranking_loss": ranking.item() / totals["pairs"],
+            "accuracy": float((margins > 0).sum()) / totals["pairs"],
+            "margin": float(margins.sum()) / totals["pairs"],
+        }
+        if outputs.lm_nll_sum is not None:
+            metrics["lm_loss"] = outputs.lm_nll_sum.item() / totals["tokens"]
+        return loss, metrics
+
+    return loss_fn
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def run_train_rm(
+    config: Config, data_dir: Path, sft_dir: Path | None, out_dir: Path, logger: MetricsLogger | None = None
+) -> StageResult:
+    """Train the reward model on `rm_train`, select it by `rm_val` accuracy, and write it to `out_dir`."""
+    started = time.monotonic()
+    settings = config.reward
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    sft_dir = Path(sft_dir) if sft_dir is not None else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out_dir)
+    # Read the data first: a wrong path fails before any model loads.
+    train_records, val_records = load_split(data_dir, "rm_train"), load_split(data_dir, "rm_val")
+    device = training_device()
+    model, tokenizer, init_files = initial_reward_model(config, sft_dir, device)
+    pad_id = tokenizer.pad_token_id
+    train_pairs = encode_pairs(tokenizer, train_records, settings.max_length)
+    val_pairs = encode_pairs(tokenizer, val_records, settings.max_length)
+    if not val_pairs.pairs:
+        raise ValueError(
+            f"{data_dir}: the rm_val split has no usable pairs; the reward model cannot be selected"
+        )
+    train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
+    val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, pad_id)
+    with_lm = settings.beta_rm > 0
+    model_dir = out_dir / MODEL_DIR
+    checkpoint_dir = out_dir / CHECKPOINTS_DIR
+    run_state = RunState(
+        run_fingerprint(stage_settings(config, "reward"), [data_dir / REPORT_FILE, *init_files]),
+        checkpoint_dir,
+    )
+
+    def collate(indices: list[int]) -> PairBatch:
+        return collate_pairs([train_pairs.pairs[i] for i in indices], indices, pad_id).to(device)
+
+    def evaluate(model: nn.Module, max_batches: int | None) -> Metrics:
+        return validation_metrics(
+            score_pair_batches(model, val_batches[:max_batches], val_cache, with_lm), settings.beta_rm
+        )
+
+    def save_best(model: nn.Module, step: int, metrics: Metrics) -> None:
+        model.save_pretrained(model_dir, tokenizer)
+        run_state.values["best_step"] = float(step)
+
+    plan = pair_batch_plan(train_pairs, settings, config.seed)
+    loop = loop_config(settings, config, "warmup_constant")
+    history = JsonlLogger(out_dir / HISTORY_FILE)
+    try:
+        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan))
+        logger_for_loop.log_params({"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir)})
+        result = train(
+            model,
+            plan,
+            collate,
+            count_pairs_and_tokens,
+            reward_loss_fn(train_cache, settings.beta_rm),
+            loop,
+            evaluate=evaluate,
+            select_best=("val/accuracy", "max"),
+            on_best=save_best,
+            checkpoint_dir=checkpoint_dir,
+            logger=logger_for_loop,
+            extra_state=run_state,
+        )
+    finally:
+        history.close()
+
+    best = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=device)
+    scores = score_pair_batches(best, val_batches, val_cache, with_lm)
+    plot_margin_histogram(scores.margins, out_dir / MARGIN_PLOT)
+    metrics = {
+        **validation_metrics(scores, settings.beta_rm),
+        **run_state.values,
+        "steps": float(result.final_step),
+        "resumed_from": float(result.resumed_from),
+        "train_loss": result.metrics["loss"],
+        "train_pairs": float(len(train_pairs.pairs)),
+        "pairs_dropped_too_long": float(len(train_pairs.too_long) + len(val_pairs.too_long)),
+        "wall_seconds": time.monotonic() - started,
+    }
+    write_metrics(out_dir, metrics)
+    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=model_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# score-pairs
+
+
+@dataclass(frozen=True)
+class PairFileScores:
+    """A reward model's verdict on a pair file: accuracy summary, raw scores, and what was left out."""
+
+    accuracy: PairAccuracy
+    scores: PairScores
+    rows_dropped: int
+    pairs_too_long: int
+
+
+def reward_model_dir(path: Path) -> Path:
+    """The saved reward model: `path` itself, or `path/model` for a train-rm stage output directory."""
+    for candidate in (path, path / MODEL_DIR):
+        if (candidate / HEAD_CONFIG_FILE).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{path} is neither a saved reward model nor a train-rm output directory (no {HEAD_CONFIG_FILE})"
+    )
+
+
+def read_pairs(source: str, config: Config) -> tuple[list[PreferencePair], int]:
+    """Every preference pair in `source` (a file, a directory of files, or a Hub id), and the rows dropped."""
+    pairs: list[PreferencePair] = []
+    dropped = 0
+    for resolved in resolve_sources(source, config):
+        for item in open_source(resolved).rows:
+            parsed = parse_row(item.row, item.source, item.line) if isinstance(item, RawRow) else item
+            if isinstance(parsed, PreferencePair):
+                pairs.append(parsed)
+            else:
+                dropped += 1
+    return pairs, dropped
+
+
+def score_pair_file(
+    config: Config, model_path: Path, source: str, out_dir: Path | None = None
+) -> PairFileScores:
+    """Score every pair of `source` with the reward model at `model_path`; optionally write the results.
+
+    With `out_dir`: metrics.json (accuracy, interval, margins, counts) and plots/reward_margin_hist.png.
+    """
+    directory = reward_model_dir(Path(model_path))
+    device = training_device()
+    model = RewardModel.from_pretrained(directory, dtype=DTYPES[config.model.dtype], device=device)
+    tokenizer = load_tokenizer(directory)
+    pairs, dropped = read_pairs(source, config)
+    encoded = encode_pairs(tokenizer, pairs, config.reward.max_length)
+    if not encoded.pairs:
+        raise ValueError(
+            f"{source}: no pair could be scored ({dropped} rows unreadable, {len(encoded.too_long)} too long)"
+        )
+    chunks = [
+        list(range(start, min(start + config.reward.micro_batch_size, len(encoded.pairs))))
+        for start in range(0, len(encoded.pairs), config.reward.micro_batch_size)
+    ]
+    batches = (
+        collate_pairs([encoded.pairs[i] for i in chunk], chunk, tokenizer.pad_token_id) for chunk in chunks
+    )
+    scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False)
+    result = PairFileScores(pair_accuracy(scores.margins), scores, dropped, len(encoded.too_long))
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plot_margin_histogram(
+            scores.margins, out_dir / MARGIN_PLOT, title=f"Reward margins on {Path(source).name}"
+        )
+        write_metrics(
+            out_dir,
+            {
+                "accuracy": result.accuracy.accuracy,
+                "accuracy_low": result.accuracy.low,
+                "accuracy_high": result.accuracy.high,
+                "margin_mean": result.accuracy.mean_margin,
+                "pairs": float(result.accuracy.pairs),
+                "rows_dropped": float(dropped),
+                "pairs_too_long": float(len(encoded.too_long)),
+            },
+        )
+    return result

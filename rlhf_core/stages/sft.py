@@ -1,0 +1,215 @@
+"""Stage `sft`: supervised fine-tuning of the base chat model on prompt + chosen reply (paper section 4.1).
+
+The loss is the token-level NLL of the assistant reply (and its end-of-turn token) only, averaged over
+the reply tokens of each whole optimizer step. The schedule is linear warmup, then cosine decay to
+`min_lr_ratio` of the peak (section 5.1). The stage measures the perplexity of held-out chosen replies
+(the `eval` split, or `rm_val` when that is empty) before and after training.
+
+`sft.skip: true` hands the base model on untrained (SmolLM2-Instruct already is a chat model): model/
+is the base model and metrics.json records `skipped: 1`.
+
+Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, checkpoints/ (a rerun resumes from
+the newest), metrics.json (written last).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.config import Config
+from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.data.records import PreferencePair
+from rlhf_core.models.base import load_base_model
+from rlhf_core.models.saving import save_causal_lm
+from rlhf_core.sft.batch import (
+    EncodedExamples,
+    SequenceBatch,
+    collate_sequences,
+    encode_examples,
+    evaluation_chunks,
+)
+from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout_reply_nll, perplexity
+from rlhf_core.stages.result import StageResult, write_metrics
+from rlhf_core.stages.training_run import (
+    CHECKPOINTS_DIR,
+    HISTORY_FILE,
+    MODEL_DIR,
+    RunState,
+    loop_config,
+    mark_incomplete,
+    run_fingerprint,
+    stage_logger,
+    stage_settings,
+    training_device,
+)
+from rlhf_core.training.batching import fixed_size_plan
+from rlhf_core.training.checkpoint import latest_checkpoint
+from rlhf_core.training.freezing import enable_gradient_checkpointing, freeze_all_but_top_layers
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger
+from rlhf_core.training.loop import run_evaluation, total_steps, train
+
+Metrics = dict[str, float]
+
+
+def heldout_pairs(data_dir: Path) -> list[PreferencePair]:
+    """The held-out pairs whose chosen replies measure perplexity: `eval`, else `rm_val`."""
+    for split in ("eval", "rm_val"):
+        pairs = load_split(data_dir, split)
+        if pairs:
+            return pairs
+    raise ValueError(f"{data_dir}: the eval and rm_val splits are both empty; no held-out replies to measure")
+
+
+def heldout_batches(encoded: EncodedExamples, batch_size: int, seed: int, pad_id: int) -> list[SequenceBatch]:
+    """The held-out replies as batches in a fixed seeded order (periodic validations use the first few)."""
+    return [
+        collate_sequences([encoded.encoded[i] for i in chunk], pad_id)
+        for chunk in evaluation_chunks(len(encoded.encoded), batch_size, seed)
+    ]
+
+
+def perplexity_evaluator(batches: list[SequenceBatch]) -> Callable[[nn.Module, int | None], Metrics]:
+    """The loop's `evaluate`: mean NLL and perplexity of the held-out replies (the first `max_batches`)."""
+
+    def evaluate(model: nn.Module, max_batches: int | None) -> Metrics:
+        nll_sum, tokens = heldout_reply_nll(model, batches[:max_batches])
+        return {"val/nll": nll_sum / tokens, "val/perplexity": perplexity(nll_sum, tokens)}
+
+    return evaluate
+
+
+def sft_loss(model: nn.Module, batch: SequenceBatch, totals: dict[str, int]) -> tuple[Tensor, Metrics]:
+    """Summed reply-token NLL of the micro-batch over the reply tokens of the whole optimizer step."""
+    return causal_lm_reply_nll(model, batch) / totals["tokens"], {}
+
+
+def count_tokens(batch: SequenceBatch) -> dict[str, int]:
+    """The unit SFT averages over: predicted reply tokens."""
+    return {"tokens": count_target_tokens(batch.labels)}
+
+
+def _save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+    """Write model/ atomically, ready for generation (KV cache on, even if training turned it off)."""
+    model.eval()
+    model.config.use_cache = True
+    return save_causal_lm(model, tokenizer, out_dir / MODEL_DIR)
+
+
+def _hand_on_base_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    evaluate: Callable[[nn.Module, int | None], Metrics],
+    out_dir: Path,
+    bf16: bool,
+) -> Metrics:
+    """`sft.skip`: save the base model as this stage's model and measure it once (before == after)."""
+    measured = run_evaluation(model, evaluate, None, bf16)
+    _save_model(model, tokenizer, out_dir)
+    return {
+        "skipped": 1.0,
+        "steps": 0.0,
+        "nll_before": measured["val/nll"],
+        "nll_after": measured["val/nll"],
+        "perplexity_before": measured["val/perplexity"],
+        "perplexity_after": measured["val/perplexity"],
+    }
+
+
+def run_sft(
+    config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None = None
+) -> StageResult:
+    """Fine-tune the base model on the `sft` split into `out_dir` (resuming from its checkpoints)."""
+    started = time.monotonic()
+    settings = config.sft
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out_dir)
+    examples = load_split(data_dir, "sft")  # read the data first: a wrong path fails before any model loads
+    pairs = heldout_pairs(data_dir)
+    model, tokenizer = load_base_model(config.model, training_device())
+    pad_id = tokenizer.pad_token_id
+    train_set = encode_examples(tokenizer, [(e.prompt, e.response) for e in examples], settings.max_length)
+    heldout = encode_examples(tokenizer, [(p.prompt, p.chosen) for p in pairs], settings.max_length)
+    evaluate = perplexity_evaluator(heldout_batches(heldout, settings.micro_batch_size, config.seed, pad_id))
+    counts = {
+        "train_examples": float(len(train_set.encoded)),
+        "heldout_examples": float(len(heldout.encoded)),
+        "examples_dropped_too_long": float(len(train_set.too_long) + len(heldout.too_long)),
+    }
+
+    if settings.skip:
+        metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.bf16)
+    else:
+        fingerprint = run_fingerprint(stage_settings(config, "sft"), [data_dir / REPORT_FILE])
+        run_state = RunState(fingerprint, out_dir / CHECKPOINTS_DIR)
+        metrics = _train(config, model, tokenizer, train_set, evaluate, run_state, out_dir, logger)
+    metrics.update(counts)
+    metrics["wall_seconds"] = time.monotonic() - started
+    write_metrics(out_dir, metrics)
+    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
+
+
+def _train(
+    config: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train_set: EncodedExamples,
+    evaluate: Callable[[nn.Module, int | None], Metrics],
+    run_state: RunState,
+    out_dir: Path,
+    logger: MetricsLogger | None,
+) -> Metrics:
+    """Measure the base model, train with the shared loop, save model/, and return the stage's figures."""
+    settings = config.sft
+    freeze_all_but_top_layers(model, settings.trainable_top_layers)
+    if settings.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    plan = fixed_size_plan(
+        len(train_set.encoded), config.seed, settings.micro_batch_size, settings.grad_accum_steps
+    )
+    loop = loop_config(settings, config, "warmup_cosine", settings.min_lr_ratio)
+    # The base model's figures; a resumed run restores them from its checkpoint instead.
+    if latest_checkpoint(run_state.checkpoint_dir) is None:
+        before = run_evaluation(model, evaluate, None, loop.bf16)
+        run_state.values.update(
+            {"nll_before": before["val/nll"], "perplexity_before": before["val/perplexity"]}
+        )
+
+    def collate(indices: list[int]) -> SequenceBatch:
+        return collate_sequences([train_set.encoded[i] for i in indices], pad_id).to(device)
+
+    history = JsonlLogger(out_dir / HISTORY_FILE)
+    try:
+        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan))
+        logger_for_loop.log_params({"sft": settings.model_dump(mode="json")})
+        result = train(
+            model,
+            plan,
+            collate,
+            count_tokens,
+            sft_loss,
+            loop,
+            evaluate=evaluate,
+            checkpoint_dir=run_state.checkpoint_dir,
+            logger=logger_for_loop,
+            extra_state=run_state,
+        )
+    finally:
+        history.close()
+    _save_model(model, tokenizer, out_dir)
+    return {
+        "skipped": 0.0,
+        "steps": float(result.final_step),
+        "resumed_from": float(result.resumed_from),
+        "train_loss": result.metrics["loss"],
+        **run_state.values,
+        "nll_after": result.metrics["val/nll"],
+        "perplexity_after": result.metrics["val/perplexity"],
+    }

@@ -1,0 +1,150 @@
+"""The train-rm stage on the tiny model: it learns a planted preference, selects and saves the best model,
+and its frozen-layer cache and batching options change no number."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import Config, load_config
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.stages.prepare_data import run_prepare_data
+from rlhf_core.stages.reward import run_train_rm, score_pair_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+WORDS = (
+    "river stone cloud paper green quiet table window music garden bright silver ocean winter candle "
+    "forest yellow mirror pencil thunder"
+).split()
+MARKER = "banana"
+# Behaviour runs: no SFT, the whole validation set at every validation, 16 steps of 8 pairs.
+BEHAVIOUR = ("reward.init_from=base", "reward.max_steps=16", "reward.eval_every=8", "reward.eval_batches=100")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(*overrides: str) -> Config:
+    uncapped = ["data.max_rm_train_pairs=null", "data.max_rm_val_pairs=null", "data.max_sft_examples=null"]
+    return load_config(ROOT / "params.yaml", [TINY], uncapped + list(overrides))
+
+
+def marker_rows(count: int, seed: int) -> list[dict[str, str]]:
+    """HH pairs whose chosen reply holds the marker word among random words; the rejected one never does."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        words = rng.sample(WORDS, 6)
+        position = rng.randrange(len(words) + 1)
+        chosen = " ".join(words[:position] + [MARKER] + words[position:])
+        rejected = " ".join(rng.sample(WORDS, 7))
+        prompt = f"\n\nHuman: Describe scene {i}, please."
+        rows.append(
+            {"chosen": f"{prompt}\n\nAssistant: {chosen}", "rejected": f"{prompt}\n\nAssistant: {rejected}"}
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("marker-data")
+    source = root / "pairs.jsonl"
+    source.write_text("\n".join(json.dumps(row) for row in marker_rows(300, seed=0)) + "\n")
+    run_prepare_data(tiny_config(), root / "prepared", str(source))
+    return root / "prepared"
+
+
+@pytest.fixture(scope="module")
+def behaviour_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+    out = tmp_path_factory.mktemp("rm-run") / "reward"
+    result = run_train_rm(tiny_config(*BEHAVIOUR), data_dir, None, out)
+    assert result.model_dir == out / "model"
+    return out, result.metrics
+
+
+def test_reward_model_learns_that_the_marker_word_is_preferred(
+    behaviour_run: tuple[Path, dict[str, float]],
+) -> None:
+    out, metrics = behaviour_run
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert history[0]["accuracy"] <= 0.5  # the untrained model (step 1's forward pass) prefers neither
+    assert metrics["val/accuracy"] >= 0.95 and metrics["val/pairs"] >= 60
+    assert metrics["val/accuracy_low"] <= metrics["val/accuracy"] <= metrics["val/accuracy_high"]
+    assert metrics["val/margin_mean"] > 0
+
+
+def test_outputs_follow_the_stage_contract(behaviour_run: tuple[Path, dict[str, float]]) -> None:
+    out, metrics = behaviour_run
+    assert json.loads((out / "metrics.json").read_text()) == pytest.approx(metrics)
+    assert (out / "plots" / "reward_margin_hist.png").read_bytes()[:4] == b"\x89PNG"
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == list(range(1, 17))
+    assert history[-1]["progress"] == 1.0 and all(0 < row["progress"] <= 1 for row in history)
+    validated = {row["step"]: row["val/accuracy"] for row in history if "val/accuracy" in row}
+    assert set(validated) == {8, 16}
+    best_step = int(metrics["best_step"])
+    assert validated[best_step] == max(validated.values()) and metrics["steps"] == 16
+    assert {p.name for p in (out / "checkpoints").iterdir()} >= {"step-00000016"}
+
+
+def test_saved_model_is_the_best_and_reproduces_the_metrics(
+    behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
+) -> None:
+    out, metrics = behaviour_run
+    model = RewardModel.from_pretrained(out / "model")
+    assert model.lm_head is not None  # beta_rm = 1 keeps the LM head; PPO loads this directory
+    rescored = score_pair_file(tiny_config(), out, str(data_dir / "rm_val.parquet"))
+    assert rescored.accuracy.accuracy == pytest.approx(metrics["val/accuracy"])
+    assert rescored.accuracy.mean_margin == pytest.approx(metrics["val/margin_mean"], abs=1e-5)
+
+
+def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) -> None:
+    """The same training with the lower block cached and computed every time: same metrics, same model."""
+    settings = ("reward.init_from=base", "reward.max_steps=4", "reward.trainable_top_layers=1")
+    cached = run_train_rm(tiny_config(*settings), data_dir, None, tmp_path / "cached").metrics
+    plain = run_train_rm(
+        tiny_config(*settings, "reward.cache_frozen_layers=false"), data_dir, None, tmp_path / "plain"
+    )
+    for name in (
+        "val/accuracy",
+        "val/margin_mean",
+        "val/ranking_loss",
+        "val/lm_loss",
+        "train_loss",
+        "best_step",
+    ):
+        assert cached[name] == pytest.approx(plain.metrics[name], rel=1e-5, abs=1e-6), name
+    ours = RewardModel.from_pretrained(tmp_path / "cached" / "model").state_dict()
+    for name, tensor in RewardModel.from_pretrained(tmp_path / "plain" / "model").state_dict().items():
+        assert torch.allclose(ours[name], tensor, atol=1e-5), name
+
+
+def test_token_budget_batching_trains(data_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(
+        "reward.init_from=base",
+        "reward.max_steps=3",
+        "reward.batching=token_budget",
+        "reward.token_budget=1200",
+    )
+    metrics = run_train_rm(config, data_dir, None, tmp_path / "rm").metrics
+    assert metrics["steps"] == 3
+    history = [json.loads(line) for line in (tmp_path / "rm" / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == [1, 2, 3]
+
+
+def test_init_from_sft_needs_a_finished_sft_stage(data_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "sft" / "model").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="not a completed stage output"):
+        run_train_rm(tiny_config(), data_dir, tmp_path / "sft", tmp_path / "rm")

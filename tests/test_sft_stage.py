@@ -1,0 +1,189 @@
+"""The sft stage on the tiny model: outputs per the stage contract, resume, the skip switch, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.config import Config, load_config
+from rlhf_core.models.base import load_base_model
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.stages.prepare_data import run_prepare_data
+from rlhf_core.stages.sft import run_sft
+from rlhf_core.stages.training_run import ResumeMismatchError
+from rlhf_core.training.checkpoint import complete_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(*overrides: str) -> Config:
+    return load_config(ROOT / "params.yaml", [TINY], list(overrides))
+
+
+def hh_rows(count: int) -> list[dict[str, str]]:
+    """HH transcripts; every third one is multi-turn, so the SFT mask meets earlier assistant turns."""
+    rows = []
+    for i in range(count):
+        earlier = f"\n\nHuman: Hello number {i}.\n\nAssistant: Hi! What can I do?" if i % 3 == 0 else ""
+        prompt = f"{earlier}\n\nHuman: How should I look after plant {i}?"
+        rows.append(
+            {
+                "chosen": f"{prompt}\n\nAssistant: Water plant {i} weekly and give it light.",
+                "rejected": f"{prompt}\n\nAssistant: Forget plant {i}.",
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sft-data")
+    source = root / "pairs.jsonl"
+    source.write_text("\n".join(json.dumps(row) for row in hh_rows(80)) + "\n")
+    run_prepare_data(tiny_config(), root / "prepared", str(source))
+    return root / "prepared"
+
+
+class RecordingLogger:
+    """A caller's logger: keeps what the stage sends it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, dict[str, float]]] = []
+        self.params: dict[str, Any] = {}
+        self.closed = False
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.steps.append((step, dict(metrics)))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(params)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def first_run(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, float], RecordingLogger]:
+    out = tmp_path_factory.mktemp("sft-run") / "sft"
+    logger = RecordingLogger()
+    result = run_sft(tiny_config(), data_dir, out, logger=logger)
+    assert result.out_dir == out and result.model_dir == out / "model"
+    return out, result.metrics, logger
+
+
+def test_sft_writes_model_metrics_history_and_checkpoints(
+    first_run: tuple[Path, dict[str, float], RecordingLogger],
+) -> None:
+    out, metrics, logger = first_run
+    assert json.loads((out / "metrics.json").read_text()) == pytest.approx(metrics)
+    assert metrics["skipped"] == 0 and metrics["steps"] == 4 and metrics["resumed_from"] == 0
+    assert metrics["train_examples"] > 0 and metrics["heldout_examples"] > 0
+    assert metrics["perplexity_after"] < metrics["perplexity_before"]  # lr 1e-3 on the tiny model
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == [1, 2, 3, 4]
+    assert [row["progress"] for row in history] == [0.25, 0.5, 0.75, 1.0]
+    assert history[-1]["val/perplexity"] == pytest.approx(metrics["perplexity_after"])
+    assert [step for step, _ in logger.steps] == [1, 2, 3, 4] and not logger.closed
+    assert logger.params["sft"]["max_steps"] == 4
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000002", "step-00000004"]
+
+
+def test_sft_model_is_a_hugging_face_chat_model_with_the_trained_weights(
+    first_run: tuple[Path, dict[str, float], RecordingLogger],
+) -> None:
+    out, _, _ = first_run
+    model, tokenizer = load_causal_lm(out / "model")
+    assert tokenizer.chat_template is not None
+    assert model.generation_config.eos_token_id == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    final = load_file(str(out / "checkpoints" / "step-00000004" / "model.safetensors"))
+    for name, tensor in model.state_dict().items():
+        if name in final:
+            assert torch.equal(tensor, final[name]), name
+
+
+def test_rerun_resumes_from_the_last_checkpoint_without_recomputing_the_baseline(
+    first_run: tuple[Path, dict[str, float], RecordingLogger], data_dir: Path
+) -> None:
+    out, metrics, _ = first_run
+    again = run_sft(tiny_config(), data_dir, out).metrics
+    assert again["resumed_from"] == 4 and again["steps"] == 4
+    assert again["perplexity_before"] == metrics["perplexity_before"]  # restored from the checkpoint
+    assert again["perplexity_after"] == pytest.approx(metrics["perplexity_after"])
+    history = [json.loads(line)["step"] for line in (out / "history.jsonl").read_text().splitlines()]
+    assert history == [1, 2, 3, 4]
+
+
+def test_changed_settings_refuse_to_resume_and_leave_no_metrics(
+    first_run: tuple[Path, dict[str, float], RecordingLogger], data_dir: Path
+) -> None:
+    out, _, _ = first_run
+    with pytest.raises(ResumeMismatchError, match="other settings"):
+        run_sft(tiny_config("sft.lr=0.002"), data_dir, out)
+    assert not (out / "metrics.json").exists()  # the stage no longer looks complete
+
+
+def test_skip_hands_on_the_base_model_and_records_it(data_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config("sft.skip=true")
+    result = run_sft(config, data_dir, tmp_path / "sft")
+    metrics = result.metrics
+    assert metrics["skipped"] == 1 and metrics["steps"] == 0
+    assert metrics["perplexity_before"] == metrics["perplexity_after"]
+    assert not (tmp_path / "sft" / "checkpoints").exists()
+    saved, _ = load_causal_lm(tmp_path / "sft" / "model")
+    base, _ = load_base_model(config.model)
+    for (name, tensor), expected in zip(saved.state_dict().items(), base.state_dict().values(), strict=True):
+        assert torch.equal(tensor, expected), name
+
+
+def test_a_missing_data_dir_is_named_before_any_model_loads(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        run_sft(tiny_config(), tmp_path / "nowhere", tmp_path / "sft")
+
+
+def test_rlhf_sft_command(data_dir: Path, tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-c",
+        "from rlhf_cli.main import main; main()",
+        "sft",
+        "-c",
+        str(TINY),
+        "-s",
+        "sft.max_steps=2",
+        "--data-dir",
+        str(data_dir),
+        "--out",
+        str(tmp_path / "sft"),
+    ]
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sft: trained 2 steps" in result.stdout and "held-out reply perplexity" in result.stdout
+    assert json.loads((tmp_path / "sft" / "metrics.json").read_text())["steps"] == 2
