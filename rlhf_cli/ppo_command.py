@@ -1,0 +1,43 @@
+"""The `rlhf ppo` subcommand (registered at the end of rlhf_cli/main.py).
+
+It follows the CLI's conventions: `--config FILE` overlays (repeatable), `-s key.path=value` overrides
+(repeatable), `--params FILE`, `--out DIR` (default `artifacts/ppo/`). The option types are declared
+here rather than imported from main.py, which imports this module to register the command; the stage
+is imported inside the command so `rlhf --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, RmDirOption, SetOption, SftDirOption, resolve_config
+
+
+
+
+def ppo(
+    data_dir: DataDirOption = Path("artifacts/data"),
+    sft_dir: SftDirOption = Path("artifacts/sft"),
+    rm_dir: RmDirOption = Path("artifacts/reward"),
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    out: OutOption = None,
+) -> None:
+    """PPO-max against the reward model; the output is the best validated policy within the KL bound."""
+    from rlhf_core.stages.ppo import guard_message, run_ppo
+
+    resolved = resolve_config(params, config, set_)
+    result = run_ppo(resolved, data_dir, sft_dir, rm_dir, out if out is not None else Path("artifacts/ppo"))
+    metrics = result.metrics
+    message = guard_message(result.out_dir)
+    if message is not None:
+        typer.echo(f"ppo: {message}; handing on the best policy validated before the stop", err=True)
+    typer.echo(
+        f"ppo: {int(metrics['steps_completed'])} of {int(metrics['total_steps'])} iterations; best policy "
+        f"at step {int(metrics['best_step'])}: validation reward "
+        f"{metrics['val/reward_initial']:.4f} (SFT) -> {metrics['val/reward_best']:.4f}, "
+        f"per-token KL {metrics['val/kl_best']:.4f}; model in {result.model_dir}"
+    )

@@ -1,0 +1,97 @@
+"""The paper's Figure 4 for a PPO run: reward, KL, perplexity and response length over the iterations.
+
+The paper shows that these four curves, read together, tell a healthy run from a collapsing one: the
+reward may keep rising while the KL to the reference explodes, perplexity drops and responses grow.
+Each panel is one PNG drawn from the run's metric history (training curve per iteration, validation
+points where validation ran), with matplotlib's object API and Agg canvas (no pyplot, no global
+backend switch), written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One Figure-4 panel: a file name, a y label and the (history key, legend label) curves on it."""
+
+    name: str
+    ylabel: str
+    curves: tuple[tuple[str, str], ...]
+
+
+FIGURE_4_PANELS = (
+    Panel("reward", "reward-model score", (("reward/score_mean", "train"), ("val/reward", "validation"))),
+    Panel(
+        "kl",
+        "KL(policy || reference) per token",
+        (("kl/token_k1", "train, k1"), ("kl/token_k3", "train, k3"), ("val/kl", "validation, k3")),
+    ),
+    Panel(
+        "perplexity",
+        "response perplexity",
+        (
+            ("perplexity/policy", "policy"),
+            ("perplexity/reference", "reference"),
+            ("val/perplexity", "validation"),
+        ),
+    ),
+    Panel(
+        "response_length",
+        "response length (tokens)",
+        (("response/length_mean", "train"), ("val/length", "validation")),
+    ),
+)
+
+
+def curve(history: Sequence[dict[str, float]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key` over the history rows that have a finite value for it."""
+    points = [
+        (int(row["step"]), float(row[key])) for row in history if key in row and math.isfinite(row[key])
+    ]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def critic_pretraining_steps(history: Sequence[dict[str, float]]) -> list[int]:
+    """The iterations in which only the critic learned (`policy/updating` is 0)."""
+    return [int(row["step"]) for row in history if row.get("policy/updating") == 0.0]
+
+
+def plot_panel(history: Sequence[dict[str, float]], panel: Panel, path: Path) -> Path:
+    """Draw one panel to `path` (PNG, atomically); curves absent from the history are skipped, and the
+    critic-pretraining iterations are shaded."""
+    figure = Figure(figsize=(6.0, 4.0), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    pretraining = critic_pretraining_steps(history)
+    if pretraining:
+        axes.axvspan(min(pretraining) - 0.5, max(pretraining) + 0.5, color="0.9", label="critic pretraining")
+    for key, label in panel.curves:
+        steps, values = curve(history, key)
+        if steps:
+            marker = "o" if key.startswith("val/") else None
+            axes.plot(steps, values, marker=marker, label=label)
+    axes.set_xlabel("PPO iteration")
+    axes.set_ylabel(panel.ylabel)
+    axes.grid(alpha=0.3)
+    if axes.lines or pretraining:
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    figure.savefig(temporary, format="png")
+    os.replace(temporary, path)
+    return path
+
+
+def plot_figure_4(history: Sequence[dict[str, float]], out_dir: str | Path) -> list[Path]:
+    """Write `reward.png`, `kl.png`, `perplexity.png` and `response_length.png` into `out_dir`."""
+    return [plot_panel(history, panel, Path(out_dir) / f"{panel.name}.png") for panel in FIGURE_4_PANELS]

@@ -1,0 +1,201 @@
+"""Stage `ppo`: PPO-max (paper section 5) from the SFT and reward-model outputs.
+
+Inputs: `data_dir` (the prepared splits: `ppo_prompts` to train on, `eval` prompts to validate on,
+`sft` for PPO-ptx), `sft_dir/model` (the policy and its frozen reference copy) and `rm_dir/model`
+(the frozen reward model, and the critic's initialisation when `ppo.critic_init` is "reward").
+
+Outputs in `out_dir`:
+
+    model/            the best validated policy within the KL bound (not the last one; paper 5.2), in
+                      Hugging Face format with chat template and an end-of-turn generation config
+    metrics.json      headline figures, written LAST: the stage is complete iff it exists
+    history.jsonl     every monitor, one line per iteration; step 0 validates the SFT policy
+    samples.jsonl     sample prompts and responses every `ppo.sample_table_every` iterations
+    plots/*.png       the paper's Figure 4 panels: reward, KL, perplexity, response length
+    checkpoints/      step-*/ (the newest `ppo.keep_checkpoints`) for exact resume, and best/
+    guard_stop.txt    only when the collapse guard stopped the run: its message
+
+Rerunning with the same `out_dir` resumes from the newest checkpoint. A run stopped by the collapse
+guard is still a completed stage: its output is the best policy validated before the stop.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_core.atomic import atomic_directory
+from rlhf_core.config import Config
+from rlhf_core.data.prepare import load_split
+from rlhf_core.models.base import DTYPES
+from rlhf_core.models.chat import end_of_turn_id
+from rlhf_core.models.heads import Critic, RewardModel
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.ppo.monitors import SampleTable
+from rlhf_core.ppo.plots import plot_figure_4
+from rlhf_core.ppo.rollout import RewardModelScorer
+from rlhf_core.ppo.trainer import (
+    BEST_DIR,
+    FitResult,
+    PPOData,
+    PPOModels,
+    PPOTrainer,
+    fit,
+)
+from rlhf_core.stages.result import (
+    METRICS_FILE,
+    StageResult,
+    read_metrics,
+    write_metrics,
+)
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger
+
+GUARD_STOP_FILE = "guard_stop.txt"
+HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "response/length_mean")
+
+
+def load_ppo_models(
+    config: Config, sft_dir: Path, rm_dir: Path, device: torch.device
+) -> tuple[PPOModels, PreTrainedTokenizerBase]:
+    """Policy and frozen reference from the SFT model, frozen reward model, critic per `critic_init`.
+
+    Refuses a reward model whose tokenizer differs from the policy's: it would score other text
+    than the policy wrote.
+    """
+    read_metrics(sft_dir)  # raises unless the SFT stage completed
+    read_metrics(rm_dir)
+    dtype = DTYPES[config.model.dtype]
+    policy, tokenizer = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
+    reference, _ = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
+    reward_model = RewardModel.from_pretrained(rm_dir / "model", dtype=dtype, device=device)
+    reward_model.requires_grad_(False)
+    if load_tokenizer(rm_dir / "model").get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"the reward model in {rm_dir} uses another tokenizer than the SFT model in {sft_dir}"
+        )
+    if reward_model.eot_id != end_of_turn_id(tokenizer):
+        raise ValueError(
+            f"the reward model reads its score at token id {reward_model.eot_id}, but the policy ends its "
+            f"turns with token id {end_of_turn_id(tokenizer)}"
+        )
+    if config.ppo.critic_init == "reward":
+        critic = Critic.from_pretrained(rm_dir / "model", dtype=dtype, device=device)
+    else:
+        sft_copy, _ = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
+        critic = Critic.from_causal_lm(sft_copy, seed=config.seed)
+    scorer = RewardModelScorer(reward_model, config.ppo.micro_batch_size)
+    return PPOModels(policy=policy, reference=reference, critic=critic, scorer=scorer), tokenizer
+
+
+def load_ppo_data(config: Config, data_dir: Path) -> PPOData:
+    """Training prompts, distinct held-out prompts (in split order) and, for PPO-ptx, the SFT pairs."""
+    seen: set[str] = set()
+    eval_prompts = []
+    for pair in load_split(data_dir, "eval"):
+        if pair.prompt_id not in seen:
+            seen.add(pair.prompt_id)
+            eval_prompts.append(pair.prompt)
+    ptx = (
+        [(example.prompt, example.response) for example in load_split(data_dir, "sft")]
+        if config.ppo.ptx_coef
+        else []
+    )
+    return PPOData(
+        prompts=[prompt.prompt for prompt in load_split(data_dir, "ppo_prompts")],
+        eval_prompts=eval_prompts,
+        ptx_examples=ptx,
+    )
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    """The rows of history.jsonl."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time: float) -> dict[str, float]:
+    """The headline figures of metrics.json: the best policy vs the SFT policy, how the run ended, and
+    the first and last values of the Figure-4 monitors."""
+    best_row = next(row for row in history if row["step"] == result.best_step and "val/reward" in row)
+    metrics = {
+        "steps_completed": float(result.final_step),
+        "total_steps": float(result.total_steps),
+        "best_step": float(result.best_step),
+        "val/reward_best": result.best_reward,
+        "val/kl_best": best_row["val/kl"],
+        "val/reward_initial": result.initial_reward,
+        "val/reward_gain": result.best_reward - result.initial_reward,
+        "guard_stopped": float(result.stop is not None),
+        "wall_time_s": wall_time,  # of this invocation (a resumed run counts only its own part)
+    }
+    if result.stop is not None:
+        metrics["guard_stop_step"] = float(result.stop.step)
+    trained = [row for row in history if row["step"] > 0]
+    for name in HEADLINE_MONITORS:
+        values = [row[name] for row in trained if name in row]
+        if values:
+            metrics[f"first/{name}"] = values[0]
+            metrics[f"last/{name}"] = values[-1]
+    return metrics
+
+
+def copy_best_policy(checkpoint_dir: Path, model_dir: Path) -> None:
+    """Install `checkpoints/best/` as the stage's `model/`, atomically."""
+    best = checkpoint_dir / BEST_DIR
+    if not best.is_dir():
+        raise FileNotFoundError(f"{best} is missing: the run has no validated policy to hand on")
+    with atomic_directory(model_dir) as temporary:
+        shutil.copytree(best, temporary, dirs_exist_ok=True)
+
+
+def _clear_completion_markers(out_dir: Path) -> None:
+    """A rerun is not complete until it writes metrics.json again; a stale guard message goes too."""
+    for name in (METRICS_FILE, GUARD_STOP_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def run_ppo(
+    config: Config,
+    data_dir: Path,
+    sft_dir: Path,
+    rm_dir: Path,
+    out_dir: Path,
+    logger: MetricsLogger | None = None,
+) -> StageResult:
+    """Train the policy with PPO-max (resuming from `out_dir/checkpoints` if possible); see module doc."""
+    started = time.perf_counter()
+    data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
+    trainer = PPOTrainer(
+        models, tokenizer, load_ppo_data(config, data_dir), config.ppo, config.seed, config.distributed.bf16
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_completion_markers(out_dir)
+    history = JsonlLogger(out_dir / "history.jsonl")
+    samples = SampleTable(out_dir / "samples.jsonl")
+    run_logger = MultiLogger([history, logger]) if logger is not None else history
+    run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed})
+    try:
+        result = fit(trainer, out_dir / "checkpoints", run_logger, samples, progress_bar=True)
+    finally:
+        history.close()
+        samples.close()
+    if result.stop is not None:
+        (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
+    copy_best_policy(out_dir / "checkpoints", out_dir / "model")
+    rows = read_history(out_dir / "history.jsonl")
+    plot_figure_4(rows, out_dir / "plots")
+    metrics = stage_metrics(result, rows, time.perf_counter() - started)
+    write_metrics(out_dir, metrics)
+    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / "model")
+
+
+def guard_message(out_dir: Path) -> str | None:
+    """The collapse guard's message of a completed run it stopped, else None."""
+    path = Path(out_dir) / GUARD_STOP_FILE
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None

@@ -1,0 +1,97 @@
+"""The collapse guard: each bound stops the run with a message naming the bound, the value and the step."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.config import CollapseGuardConfig
+from rlhf_core.ppo.guard import (
+    CollapseError,
+    CollapseGuard,
+    check_finite,
+    check_kl,
+    check_length_drift,
+    check_perplexity_drop,
+)
+
+
+def monitors(kl: float = 0.0, length: float = 20.0, perplexity: float = 10.0) -> dict[str, float]:
+    return {"kl/token_k3": kl, "response/length_mean": length, "perplexity/policy": perplexity}
+
+
+def test_kl_bound() -> None:
+    check_kl(0.5, 0.5, step=3)  # at the bound is fine
+    check_kl(100.0, None, step=3)  # no bound
+    with pytest.raises(
+        CollapseError, match=r"step 7: per-token KL to the reference 0.51 > max_kl 0.5 \[bound: max_kl\]"
+    ):
+        check_kl(0.51, 0.5, step=7)
+
+
+@pytest.mark.parametrize("length", [40.1, 9.9])
+def test_length_drift_bound_both_ways(length: float) -> None:
+    check_length_drift(40.0, 20.0, 2.0, step=1)
+    check_length_drift(10.0, 20.0, 2.0, step=1)
+    with pytest.raises(
+        CollapseError, match=r"step 4: mean response length .* \[bound: max_length_drift\]"
+    ) as error:
+        check_length_drift(length, 20.0, 2.0, step=4)
+    assert error.value.bound == "max_length_drift" and error.value.step == 4
+
+
+def test_perplexity_drop_bound() -> None:
+    check_perplexity_drop(5.0, 10.0, 0.5, step=2)  # exactly a 50% drop is allowed
+    check_perplexity_drop(30.0, 10.0, 0.5, step=2)  # a rise is not what this bound is about
+    with pytest.raises(
+        CollapseError,
+        match=r"step 2: response perplexity 4.9 is 51.0% below .* \[bound: max_perplexity_drop\]",
+    ):
+        check_perplexity_drop(4.9, 10.0, 0.5, step=2)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_stop(value: float) -> None:
+    check_finite("loss/policy", 1e30, step=1)
+    with pytest.raises(CollapseError, match=rf"step 9: loss/policy is {value}.*\[bound: finite\]"):
+        check_finite("loss/policy", value, step=9)
+
+
+def test_guard_measures_drift_from_the_initial_policy_s_rollouts() -> None:
+    guard = CollapseGuard(CollapseGuardConfig(max_kl=0.5, max_length_drift=1.5, max_perplexity_drop=0.2))
+    guard.check(monitors(length=18.0, perplexity=9.0), step=1, initial_policy=True)
+    guard.check(monitors(length=22.0, perplexity=11.0), step=2, initial_policy=True)
+    assert (guard.baseline_rollouts, guard.start_length, guard.start_perplexity) == (2, 20.0, 10.0)
+    guard.check(monitors(kl=0.4, length=29.0, perplexity=8.5), step=3, initial_policy=False)
+    assert (guard.start_length, guard.start_perplexity) == (
+        20.0,
+        10.0,
+    )  # a trained policy's rollout is no baseline
+    with pytest.raises(CollapseError, match="step 4.*max_length_drift"):
+        guard.check(monitors(length=31.0), step=4, initial_policy=False)
+    with pytest.raises(CollapseError, match="step 4.*max_perplexity_drop"):
+        guard.check(monitors(perplexity=7.9), step=4, initial_policy=False)
+    with pytest.raises(CollapseError, match="step 4.*max_kl"):
+        guard.check(monitors(kl=0.6), step=4, initial_policy=False)
+    with pytest.raises(CollapseError, match="step 4.*perplexity/policy is nan"):
+        guard.check(monitors(perplexity=float("nan")), step=4, initial_policy=False)
+
+
+def test_guard_needs_a_baseline_first() -> None:
+    with pytest.raises(ValueError, match="baseline is empty"):
+        CollapseGuard(CollapseGuardConfig()).check(monitors(), step=1, initial_policy=False)
+
+
+def test_guard_baseline_survives_a_resume() -> None:
+    bounds = CollapseGuardConfig(max_kl=None, max_length_drift=1.5, max_perplexity_drop=None)
+    guard = CollapseGuard(bounds)
+    guard.check(monitors(length=20.0), step=1, initial_policy=True)
+    resumed = CollapseGuard(bounds)
+    resumed.load_state_dict(guard.state_dict())
+    with pytest.raises(CollapseError, match="max_length_drift"):
+        resumed.check(monitors(length=31.0), step=5, initial_policy=False)  # measured against 20
+
+
+def test_within_kl_bound() -> None:
+    assert CollapseGuard(CollapseGuardConfig(max_kl=0.1)).within_kl_bound(0.1)
+    assert not CollapseGuard(CollapseGuardConfig(max_kl=0.1)).within_kl_bound(0.11)
+    assert CollapseGuard(CollapseGuardConfig(max_kl=None)).within_kl_bound(1e9)

@@ -1,0 +1,184 @@
+"""The `ppo` stage on tiny SFT and reward-model outputs: every output, model loading, and exact resume after
+a SIGKILL (the `rlhf ppo` command in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.tiny_ppo import (  # noqa: F401
+    ROOT,
+    TINY,
+    StageInputs,
+    one_thread,
+    tiny_config,
+    write_stage_inputs,
+)
+from safetensors.torch import load_file
+
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.stages.ppo import load_ppo_models, run_ppo
+from rlhf_core.training.checkpoint import complete_checkpoints
+
+RESUME_SETTINGS = ["-s", "ppo.steps=6", "-s", "ppo.checkpoint_every=2", "-s", "ppo.eval_every=3"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+def history(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+
+
+def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInputs, tmp_path: Path) -> None:
+    config = tiny_config("ppo.keep_checkpoints=1")
+    out = tmp_path / "ppo"
+    result = run_ppo(config, inputs.data_dir, inputs.sft_dir, inputs.rm_dir, out)
+    total = config.ppo.critic_pretrain_steps + config.ppo.steps
+    rows = history(out)
+    assert [row["step"] for row in rows] == list(range(total + 1))  # step 0 validates the SFT policy
+    assert rows[-1]["progress"] == 1.0 and "val/reward" in rows[-1]
+    assert {"reward/score_mean", "kl/token_k3", "loss/value", "time/generate_s", "time/train_s"} <= set(
+        rows[-1]
+    )
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {row["step"] for row in samples} == set(range(2, total + 1, config.ppo.sample_table_every))
+    assert {"prompt", "response", "score", "finished"} <= set(samples[0])
+    for name in ("reward", "kl", "perplexity", "response_length"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics == result.metrics and metrics["steps_completed"] == total and metrics["guard_stopped"] == 0
+    assert metrics["val/reward_initial"] == rows[0]["val/reward"]
+    assert [path.name for path in complete_checkpoints(out / "checkpoints")] == [f"step-{total:08d}"]
+    model, tokenizer = load_causal_lm(out / "model")
+    assert model.generation_config.eos_token_id == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert tokenizer.chat_template is not None
+    assert (
+        load_file(out / "model" / "model.safetensors").keys()
+        == load_file(out / "checkpoints" / "best" / "model.safetensors").keys()
+    )
+
+    rerun = run_ppo(config, inputs.data_dir, inputs.sft_dir, inputs.rm_dir, out)  # resumes at the end
+    assert history(out) == rows
+    assert {k: v for k, v in rerun.metrics.items() if k != "wall_time_s"} == {
+        k: v for k, v in metrics.items() if k != "wall_time_s"
+    }
+
+
+@pytest.mark.parametrize("critic_init", ["reward", "sft"])
+def test_models_are_initialised_as_the_paper_says(inputs: StageInputs, critic_init: str) -> None:
+    models, _ = load_ppo_models(
+        tiny_config(f"ppo.critic_init={critic_init}"), inputs.sft_dir, inputs.rm_dir, torch.device("cpu")
+    )
+    sft, _ = load_causal_lm(inputs.sft_dir / "model")
+    reward_model = RewardModel.from_pretrained(inputs.rm_dir / "model")
+    for name, tensor in sft.state_dict().items():
+        assert torch.equal(models.policy.state_dict()[name], tensor)
+        assert torch.equal(models.reference.state_dict()[name], tensor)
+    source = reward_model if critic_init == "reward" else sft.base_model
+    backbone = source.backbone if critic_init == "reward" else source
+    for name, tensor in backbone.state_dict().items():
+        assert torch.equal(models.critic.backbone.state_dict()[name], tensor), name
+    head = models.critic.value_head
+    assert head.bias is not None
+    if critic_init == "reward":  # the reward model's head, bias included
+        assert torch.equal(head.weight, reward_model.score_head.weight)
+        assert torch.equal(head.bias, reward_model.score_head.bias)
+    else:
+        assert not torch.equal(head.weight, reward_model.score_head.weight)
+    assert not any(p.requires_grad for p in models.scorer.reward_model.parameters())
+
+
+def test_unfinished_inputs_are_refused(inputs: StageInputs, tmp_path: Path) -> None:
+    unfinished = tmp_path / "reward"
+    unfinished.mkdir()
+    with pytest.raises(FileNotFoundError, match="not a completed stage output"):
+        run_ppo(tiny_config(), inputs.data_dir, inputs.sft_dir, unfinished, tmp_path / "ppo")
+
+
+def rlhf_ppo(inputs: StageInputs, out: Path) -> subprocess.Popen[str]:
+    command = [
+        sys.executable,
+        "-c",
+        "from rlhf_cli.main import main; main()",
+        "ppo",
+        "-c",
+        str(TINY),
+        "--data-dir",
+        str(inputs.data_dir),
+        "--sft-dir",
+        str(inputs.sft_dir),
+        "--rm-dir",
+        str(inputs.rm_dir),
+        "--out",
+        str(out),
+        *RESUME_SETTINGS,
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> str:
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    return stdout
+
+
+def kill_after_step(process: subprocess.Popen[str], out: Path, step: int, delay: float) -> None:
+    """SIGKILL `process` `delay` seconds after its history.jsonl reaches `step`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if (out / "history.jsonl").is_file() and any(row["step"] >= step for row in history(out)):
+            break
+        time.sleep(0.05)
+    time.sleep(delay)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_rerun_after_sigkill_resumes_exactly(inputs: StageInputs, tmp_path: Path) -> None:
+    """No step twice in the history, and the same final weights and monitors as an uninterrupted run."""
+    rng = random.Random(4)
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    reference = rlhf_ppo(inputs, uninterrupted)
+    victim = rlhf_ppo(inputs, interrupted)
+    kill_after_step(victim, interrupted, step=rng.randint(3, 5), delay=rng.uniform(0.0, 0.5))
+    assert victim.returncode == -signal.SIGKILL
+    assert not (interrupted / "metrics.json").exists()
+    saved_steps = [
+        int(path.name.removeprefix("step-")) for path in complete_checkpoints(interrupted / "checkpoints")
+    ]
+    assert saved_steps and 2 <= max(saved_steps) < 7  # the rerun resumes from the middle of the run
+    finish(reference)
+    assert "best policy at step" in finish(rlhf_ppo(inputs, interrupted))
+
+    expected, resumed = history(uninterrupted), history(interrupted)
+    assert [row["step"] for row in resumed] == [row["step"] for row in expected] == list(range(8))
+    for before, after in zip(expected, resumed):
+        assert {k: v for k, v in before.items() if not k.startswith("time/")} == {
+            k: v for k, v in after.items() if not k.startswith("time/")
+        }
+    for relative in ("model/model.safetensors", "checkpoints/step-00000007/model.safetensors"):
+        a, b = load_file(uninterrupted / relative), load_file(interrupted / relative)
+        assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), relative
+    samples = [json.loads(line)["step"] for line in (interrupted / "samples.jsonl").read_text().splitlines()]
+    assert samples == [
+        json.loads(line)["step"] for line in (uninterrupted / "samples.jsonl").read_text().splitlines()
+    ]
