@@ -1,0 +1,64 @@
+"""Replies of one model to the evaluation prompts, sampled with the paper's settings (section 6).
+
+`evaluation.generation` in params.yaml holds them: nucleus sampling with p = 0.9, temperature 0.8,
+repetition penalty 1.1, one reply per prompt, up to `max_new_tokens` tokens. Prompts are rendered by
+the model's own chat template (`chat.encode_prompt`, whole: the eval split is length-filtered), left-
+padded and sampled in batches by the same KV-cached `generate` call PPO's rollouts use, which stops
+each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
+both models of a comparison are sampled with the same seed and the caller's random state is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.config import GenerationConfig
+from rlhf_core.data.records import Message
+from rlhf_core.models.chat import encode_prompt
+from rlhf_core.ppo.rollout import generate_responses, left_pad, stop_token_ids
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A generated reply: its text (without the end-of-turn token), its token count, and whether it ended
+    with the end-of-turn token (False: cut at `max_new_tokens`)."""
+
+    text: str
+    tokens: int
+    finished: bool
+
+
+@torch.no_grad()
+def generate_replies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[Message]],
+    settings: GenerationConfig,
+    batch_size: int,
+    seed: int,
+) -> list[Reply]:
+    """One sampled reply per prompt, in the order of `prompts` (see the module docstring)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    stop_ids = stop_token_ids(tokenizer)
+    replies: list[Reply] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[start : start + batch_size]]
+            prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id, device)
+            response_ids, response_mask, finished = generate_responses(
+                model, prompt_ids, prompt_mask, settings, stop_ids, tokenizer.pad_token_id
+            )
+            for ids, mask, done in zip(response_ids, response_mask, finished):
+                reply_ids = ids[mask.bool()].tolist()
+                if done:
+                    reply_ids = reply_ids[:-1]  # the end-of-turn token
+                text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+                replies.append(Reply(text=text, tokens=len(reply_ids), finished=bool(done)))
+    return replies

@@ -1,0 +1,1 @@
+"""Judges of a pair of replies: the reward model and an LLM behind an OpenAI-compatible API."""

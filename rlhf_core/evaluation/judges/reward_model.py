@@ -1,0 +1,135 @@
+"""The reward-model judge: both replies scored by a reward model, the higher score wins.
+
+A reply is scored exactly as in training and in PPO: the conversation goes through
+`chat.encode_conversation` and `RewardModel.forward` reads r(x, y) at `chat.reply_end_positions` (the
+one function that finds where a reply ends). Sequences are scored whole, without truncation: the
+evaluation prompts were length-filtered by `data.max_total_tokens` and the replies are bounded by
+`evaluation.generation.max_new_tokens`.
+
+A margin r(x, y_A) - r(x, y_B) within +-`tie_margin` is a tie (with the default 0, only equal scores
+tie). The reward model PPO optimised against is an IN-SAMPLE judge: the policy learned to please
+exactly this model, so the report flags it, and a second reward model trained on a disjoint split is
+the better judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_core.data.records import Message
+from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement, Verdict
+from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
+from rlhf_core.models.chat import encode_conversation
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.sft.batch import collate_sequences
+
+
+def margin_verdict(margin: float, tie_margin: float) -> Verdict:
+    """A if the margin r_A - r_B exceeds `tie_margin`, B if it is below -`tie_margin`, else a tie."""
+    if margin > tie_margin:
+        return Verdict.A
+    if margin < -tie_margin:
+        return Verdict.B
+    return Verdict.TIE
+
+
+@torch.no_grad()
+def score_replies(
+    reward_model: RewardModel,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[tuple[Sequence[Message], str]],
+    batch_size: int,
+) -> np.ndarray:
+    """r(x, y) [N] of each (prompt, reply), `batch_size` conversations per forward pass."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(reward_model.parameters()).device
+    encoded = [encode_conversation(tokenizer, prompt, reply) for prompt, reply in conversations]
+    scores = []
+    for start in range(0, len(encoded), batch_size):
+        batch = collate_sequences(encoded[start : start + batch_size], tokenizer.pad_token_id).to(device)
+        output = reward_model(batch.input_ids, batch.attention_mask, reply_start=batch.reply_start)
+        scores.append(output.scores.float().cpu())
+    return torch.cat(scores).numpy().astype(np.float64) if scores else np.zeros(0)
+
+
+class RewardModelJudge:
+    """Scores both replies of each pair with one reward model; see the module docstring."""
+
+    def __init__(
+        self,
+        reward_model: RewardModel,
+        tokenizer: PreTrainedTokenizerBase,
+        tie_margin: float,
+        batch_size: int,
+        source: str,
+        in_sample: bool,
+    ) -> None:
+        if tie_margin < 0:
+            raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
+        self.reward_model = reward_model
+        self.tokenizer = tokenizer
+        self.tie_margin = tie_margin
+        self.batch_size = batch_size
+        self.source = source
+        self.in_sample = in_sample
+        self._pairs_judged = 0
+
+    @classmethod
+    def from_directory(
+        cls,
+        rm_dir: str | Path,
+        tie_margin: float,
+        batch_size: int,
+        in_sample: bool,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> RewardModelJudge:
+        """Load the reward model of a train-rm output directory (or of a saved reward-model directory)."""
+        model_dir = resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)
+        reward_model = RewardModel.from_pretrained(model_dir, dtype=dtype, device=device)
+        return cls(reward_model, load_tokenizer(model_dir), tie_margin, batch_size, str(rm_dir), in_sample)
+
+    def judge(self, pairs: Sequence[EvalPair]) -> list[Judgement]:
+        """One verdict per pair from the score margin; the scores go into the detail.
+
+        Each distinct (prompt, reply) is scored once, so two identical replies get the identical score
+        and tie: scored in different batches, padding would change their scores in the last bits.
+        """
+        conversations: dict[tuple[str, str], tuple[Sequence[Message], str]] = {}
+        for pair in pairs:
+            for reply in (pair.reply_a, pair.reply_b):
+                conversations.setdefault((pair.prompt_id, reply), (pair.prompt, reply))
+        scored = score_replies(self.reward_model, self.tokenizer, list(conversations.values()), self.batch_size)
+        score_of = dict(zip(conversations, scored.tolist()))
+        scores_a = [score_of[(pair.prompt_id, pair.reply_a)] for pair in pairs]
+        scores_b = [score_of[(pair.prompt_id, pair.reply_b)] for pair in pairs]
+        self._pairs_judged += len(pairs)
+        return [
+            Judgement(
+                verdict=margin_verdict(a - b, self.tie_margin),
+                detail={"score_a": a, "score_b": b, "margin": a - b},
+            )
+            for a, b in zip(scores_a, scores_b)
+        ]
+
+    def info(self) -> JudgeInfo:
+        """The reward model's location, the tie margin and whether it is the in-sample judge."""
+        sample = (
+            "IN-SAMPLE: taken to be the reward model PPO optimised against, so it favours the PPO policy"
+            if self.in_sample
+            else "independent of the reward model PPO optimised against"
+        )
+        return JudgeInfo(
+            kind="rm",
+            name=f"reward model {self.source}",
+            description=f"reward model {self.source} (tie margin {self.tie_margin:g}; {sample})",
+            in_sample=self.in_sample,
+            figures={"pairs_judged": float(self._pairs_judged), "tie_margin": self.tie_margin},
+        )

@@ -1,0 +1,129 @@
+"""The per-pair files of an evaluation: generations.jsonl (what was judged) and verdicts.jsonl (the verdicts).
+
+generations.jsonl, one line per evaluation prompt:
+    prompt_id, category, prompt (list of {role, content}), reply_a, reply_b, tokens_a, tokens_b,
+    finished_a, finished_b (False: the reply was cut at max_new_tokens)
+verdicts.jsonl, one line per pair, in the same order:
+    prompt_id, pair_key, category, judge (its short name), verdict ("A", "B", "tie", "invalid"),
+    tokens_a, tokens_b, and the judge's detail (reward-model scores, or the LLM's verdict in each order
+    and its raw answers)
+
+Any later judge (the human-evaluation flow) reads the pairs back with `read_generations`, so every
+judge sees the same pairs; `read_verdicts` gives another judge's verdicts by pair key, for agreement.
+Files are written whole to a temporary file and moved into place (`write_text`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.evaluation.generation import Reply
+from rlhf_core.evaluation.judges.verdicts import EvalPair, Judgement, Verdict
+from rlhf_core.evaluation.prompts import EvalPrompt
+
+
+@dataclass(frozen=True)
+class GeneratedPair:
+    """A pair to judge and the token counts of its two replies."""
+
+    pair: EvalPair
+    tokens_a: int
+    tokens_b: int
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically (temporary file, then os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+    return path
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
+    """Write `rows` as JSON lines to `path` atomically."""
+    return write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def generation_rows(
+    prompts: Sequence[EvalPrompt], replies_a: Sequence[Reply], replies_b: Sequence[Reply]
+) -> list[dict[str, Any]]:
+    """The lines of generations.jsonl."""
+    if not len(prompts) == len(replies_a) == len(replies_b):
+        raise ValueError(f"{len(prompts)} prompts but {len(replies_a)} and {len(replies_b)} replies")
+    return [
+        {
+            "prompt_id": prompt.prompt_id,
+            "category": prompt.category,
+            "prompt": [dict(message) for message in prompt.prompt],
+            "reply_a": a.text,
+            "reply_b": b.text,
+            "tokens_a": a.tokens,
+            "tokens_b": b.tokens,
+            "finished_a": a.finished,
+            "finished_b": b.finished,
+        }
+        for prompt, a, b in zip(prompts, replies_a, replies_b)
+    ]
+
+
+def read_generations(path: Path) -> list[GeneratedPair]:
+    """The pairs of a generations.jsonl, in file order."""
+    return [
+        GeneratedPair(
+            pair=EvalPair(
+                prompt_id=row["prompt_id"],
+                prompt=tuple(row["prompt"]),
+                reply_a=row["reply_a"],
+                reply_b=row["reply_b"],
+                category=row["category"],
+            ),
+            tokens_a=int(row["tokens_a"]),
+            tokens_b=int(row["tokens_b"]),
+        )
+        for row in read_jsonl(path)
+    ]
+
+
+def verdict_rows(
+    pairs: Sequence[GeneratedPair], judgements: Sequence[Judgement], judge_name: str
+) -> list[dict[str, Any]]:
+    """The lines of verdicts.jsonl."""
+    if len(pairs) != len(judgements):
+        raise ValueError(f"{len(pairs)} pairs but {len(judgements)} verdicts")
+    return [
+        {
+            "prompt_id": generated.pair.prompt_id,
+            "pair_key": generated.pair.pair_key,
+            "category": generated.pair.category,
+            "judge": judge_name,
+            "verdict": judgement.verdict.value,
+            "tokens_a": generated.tokens_a,
+            "tokens_b": generated.tokens_b,
+            **judgement.detail,
+        }
+        for generated, judgement in zip(pairs, judgements)
+    ]
+
+
+def read_verdicts(path: Path) -> tuple[str, dict[str, Verdict]]:
+    """(judge name, verdict by pair key) of a verdicts.jsonl."""
+    rows = read_jsonl(path)
+    if not rows:
+        raise ValueError(f"{path} holds no verdicts")
+    names = {row["judge"] for row in rows}
+    if len(names) != 1:
+        raise ValueError(f"{path} mixes verdicts of several judges: {sorted(names)}")
+    return names.pop(), {row["pair_key"]: Verdict(row["verdict"]) for row in rows}

@@ -1,0 +1,371 @@
+"""The evaluation report (paper section 6): win/tie/lose of model A against model B, with uncertainty and
+the usual confounders in view.
+
+- Rates: win, tie and lose rates over the pairs with a valid verdict, each with a 95% Wilson interval;
+  invalid verdicts are counted and shown, never folded into a rate.
+- Win minus loss (the promotion gate's figure) with a paired bootstrap interval (statistics.py).
+- Per category (the source file of the prompts, e.g. harmless vs helpful), when there is more than one.
+- Length, the best-known judge bias: the mean reply length of each model in tokens, and the rates over
+  the pairs whose lengths are similar (|len_A - len_B| <= SIMILAR_LENGTH_RATIO * max(len_A, len_B)).
+  A model that wins overall but not among similar-length pairs may be winning by verbosity.
+- Agreement with other judges' verdicts on the same pairs (matched by pair key): percent agreement
+  and Cohen's kappa, over the pairs both judged validly.
+- The alignment tax (alignment_tax.py).
+- Which judge produced it; an in-sample reward-model judge is flagged.
+
+`EvaluationReport` is saved as report.json; `render_markdown` gives report.md and `metrics` the flat
+figures of metrics.json. Quantities that are undefined (no valid pair) are None / left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from rlhf_core.config import GenerationConfig
+from rlhf_core.evaluation.alignment_tax import AlignmentTax
+from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
+from rlhf_core.evaluation.statistics import (
+    DEFAULT_RESAMPLES,
+    cohens_kappa,
+    paired_bootstrap_interval,
+    percent_agreement,
+    wilson_interval,
+)
+
+SIMILAR_LENGTH_RATIO = 0.2
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class JudgedPair:
+    """What the report needs of one judged pair."""
+
+    pair_key: str
+    category: str
+    tokens_a: int
+    tokens_b: int
+    verdict: Verdict
+
+
+class Rate(BaseModel):
+    """A proportion and its 95% Wilson interval."""
+
+    rate: float
+    low: float
+    high: float
+
+
+class OutcomeSummary(BaseModel):
+    """Win/tie/lose counts and rates of a group of pairs (rates over the `valid` pairs)."""
+
+    pairs: int
+    valid: int
+    wins: int
+    ties: int
+    losses: int
+    invalid: int
+    win: Rate | None
+    tie: Rate | None
+    lose: Rate | None
+    win_minus_loss: Rate | None
+
+
+class LengthSummary(BaseModel):
+    """Mean reply lengths (tokens) and the outcome over similar-length pairs."""
+
+    mean_tokens_a: float
+    mean_tokens_b: float
+    similar_length_ratio: float
+    similar_length: OutcomeSummary
+
+
+class Agreement(BaseModel):
+    """Agreement of this report's judge with another judge on the pairs both judged validly."""
+
+    other_judge: str
+    pairs: int
+    percent: float | None
+    kappa: float | None
+
+
+class AlignmentTaxSummary(BaseModel):
+    """Held-out SFT reply perplexity of both models and the change (A - B)."""
+
+    replies: int
+    perplexity_a: float
+    perplexity_b: float
+    change: float
+    relative_change: float
+
+
+class JudgeSummary(BaseModel):
+    """Who produced the verdicts (see `JudgeInfo`)."""
+
+    kind: str
+    name: str
+    description: str
+    in_sample: bool
+    figures: dict[str, float]
+
+
+class EvaluationReport(BaseModel):
+    """Everything report.json holds."""
+
+    model_a: str
+    model_b: str
+    judge: JudgeSummary
+    prompts: int
+    generation: GenerationConfig
+    overall: OutcomeSummary
+    by_category: dict[str, OutcomeSummary]
+    length: LengthSummary
+    agreement: list[Agreement]
+    alignment_tax: AlignmentTaxSummary | None
+
+    def metrics(self) -> dict[str, float]:
+        """The flat figures of metrics.json (undefined ones left out)."""
+        figures: dict[str, float] = {"prompts": float(self.prompts), "judge_in_sample": float(self.judge.in_sample)}
+        figures.update(_outcome_figures("", self.overall))
+        for name, summary in self.by_category.items():
+            figures.update(_outcome_figures(f"category/{name}/", summary))
+        figures["mean_tokens_a"] = self.length.mean_tokens_a
+        figures["mean_tokens_b"] = self.length.mean_tokens_b
+        figures.update(_outcome_figures("similar_length/", self.length.similar_length))
+        for agreement in self.agreement:
+            prefix = f"agreement/{agreement.other_judge}/"
+            figures[prefix + "pairs"] = float(agreement.pairs)
+            if agreement.percent is not None:
+                figures[prefix + "percent"] = agreement.percent
+            if agreement.kappa is not None:
+                figures[prefix + "kappa"] = agreement.kappa
+        if self.alignment_tax is not None:
+            figures["perplexity_a"] = self.alignment_tax.perplexity_a
+            figures["perplexity_b"] = self.alignment_tax.perplexity_b
+            figures["alignment_tax"] = self.alignment_tax.change
+        figures.update({f"judge/{name}": value for name, value in self.judge.figures.items()})
+        return figures
+
+
+def _outcome_figures(prefix: str, summary: OutcomeSummary) -> dict[str, float]:
+    figures = {
+        f"{prefix}pairs": float(summary.pairs),
+        f"{prefix}valid_pairs": float(summary.valid),
+        f"{prefix}invalid_pairs": float(summary.invalid),
+    }
+    for name, rate in (
+        ("win_rate", summary.win),
+        ("tie_rate", summary.tie),
+        ("lose_rate", summary.lose),
+        ("win_minus_loss", summary.win_minus_loss),
+    ):
+        if rate is not None:
+            figures.update({f"{prefix}{name}": rate.rate, f"{prefix}{name}_low": rate.low, f"{prefix}{name}_high": rate.high})
+    return figures
+
+
+def _wilson_rate(count: int, total: int) -> Rate:
+    low, high = wilson_interval(count, total, CONFIDENCE)
+    return Rate(rate=count / total, low=low, high=high)
+
+
+def summarise_outcomes(verdicts: Sequence[Verdict], seed: int, resamples: int = DEFAULT_RESAMPLES) -> OutcomeSummary:
+    """Counts, Wilson-interval rates and the bootstrap interval of win minus loss of `verdicts`."""
+    valid = [verdict for verdict in verdicts if verdict is not Verdict.INVALID]
+    wins, ties, losses = (sum(verdict is kind for verdict in valid) for kind in (Verdict.A, Verdict.TIE, Verdict.B))
+    summary = OutcomeSummary(
+        pairs=len(verdicts),
+        valid=len(valid),
+        wins=wins,
+        ties=ties,
+        losses=losses,
+        invalid=len(verdicts) - len(valid),
+        win=None,
+        tie=None,
+        lose=None,
+        win_minus_loss=None,
+    )
+    if not valid:
+        return summary
+    low, high = paired_bootstrap_interval([verdict.outcome for verdict in valid], CONFIDENCE, resamples, seed)
+    return summary.model_copy(
+        update={
+            "win": _wilson_rate(wins, len(valid)),
+            "tie": _wilson_rate(ties, len(valid)),
+            "lose": _wilson_rate(losses, len(valid)),
+            "win_minus_loss": Rate(rate=(wins - losses) / len(valid), low=low, high=high),
+        }
+    )
+
+
+def is_similar_length(tokens_a: int, tokens_b: int, ratio: float = SIMILAR_LENGTH_RATIO) -> bool:
+    """|tokens_a - tokens_b| <= ratio * max(tokens_a, tokens_b) (two empty replies are similar)."""
+    return abs(tokens_a - tokens_b) <= ratio * max(tokens_a, tokens_b)
+
+
+def judge_agreement(
+    verdicts: Mapping[str, Verdict], other_verdicts: Mapping[str, Verdict], other_judge: str
+) -> Agreement:
+    """Percent agreement and Cohen's kappa over the pair keys both judges judged validly."""
+    shared = [
+        key
+        for key in verdicts
+        if key in other_verdicts and Verdict.INVALID not in (verdicts[key], other_verdicts[key])
+    ]
+    if not shared:
+        return Agreement(other_judge=other_judge, pairs=0, percent=None, kappa=None)
+    mine = [verdicts[key].value for key in shared]
+    theirs = [other_verdicts[key].value for key in shared]
+    kappa = cohens_kappa(mine, theirs)
+    return Agreement(
+        other_judge=other_judge,
+        pairs=len(shared),
+        percent=percent_agreement(mine, theirs),
+        kappa=None if math.isnan(kappa) else kappa,
+    )
+
+
+def build_report(
+    pairs: Sequence[JudgedPair],
+    judge: JudgeInfo,
+    model_a: str,
+    model_b: str,
+    generation: GenerationConfig,
+    seed: int,
+    alignment_tax: AlignmentTax | None = None,
+    other_judges: Mapping[str, Mapping[str, Verdict]] | None = None,
+    resamples: int = DEFAULT_RESAMPLES,
+) -> EvaluationReport:
+    """The report of judged `pairs`; `other_judges` maps a judge's name to its verdicts by pair key."""
+    if not pairs:
+        raise ValueError("build_report: no judged pairs")
+    verdicts = [pair.verdict for pair in pairs]
+    categories = sorted({pair.category for pair in pairs})
+    by_category = (
+        {
+            category: summarise_outcomes([p.verdict for p in pairs if p.category == category], seed, resamples)
+            for category in categories
+        }
+        if len(categories) > 1
+        else {}
+    )
+    similar = [pair.verdict for pair in pairs if is_similar_length(pair.tokens_a, pair.tokens_b)]
+    by_key = {pair.pair_key: pair.verdict for pair in pairs}
+    tax = None
+    if alignment_tax is not None:
+        tax = AlignmentTaxSummary(
+            replies=alignment_tax.replies,
+            perplexity_a=alignment_tax.perplexity_a,
+            perplexity_b=alignment_tax.perplexity_b,
+            change=alignment_tax.change,
+            relative_change=alignment_tax.relative_change,
+        )
+    return EvaluationReport(
+        model_a=model_a,
+        model_b=model_b,
+        judge=JudgeSummary(
+            kind=judge.kind,
+            name=judge.name,
+            description=judge.description,
+            in_sample=judge.in_sample,
+            figures=judge.figures,
+        ),
+        prompts=len(pairs),
+        generation=generation,
+        overall=summarise_outcomes(verdicts, seed, resamples),
+        by_category=by_category,
+        length=LengthSummary(
+            mean_tokens_a=sum(pair.tokens_a for pair in pairs) / len(pairs),
+            mean_tokens_b=sum(pair.tokens_b for pair in pairs) / len(pairs),
+            similar_length_ratio=SIMILAR_LENGTH_RATIO,
+            similar_length=summarise_outcomes(similar, seed, resamples),
+        ),
+        agreement=[
+            judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
+        ],
+        alignment_tax=tax,
+    )
+
+
+# ---- report.md
+
+
+def _rate_cell(rate: Rate | None, signed: bool = False) -> str:
+    if rate is None:
+        return "n/a"
+    sign = "+" if signed else ""
+    return f"{rate.rate:{sign}.1%} ({rate.low:{sign}.1%} to {rate.high:{sign}.1%})"
+
+
+def _outcome_row(label: str, summary: OutcomeSummary) -> str:
+    return (
+        f"| {label} | {summary.valid} | {_rate_cell(summary.win)} | {_rate_cell(summary.tie)} | "
+        f"{_rate_cell(summary.lose)} | {_rate_cell(summary.win_minus_loss, signed=True)} | {summary.invalid} |"
+    )
+
+
+def render_markdown(report: EvaluationReport) -> str:
+    """report.md: the figures of the report for people, judge first."""
+    lines = [
+        f"# Evaluation: {report.model_a} (A) vs {report.model_b} (B)",
+        "",
+        f"**Judge:** {report.judge.description}.",
+    ]
+    if report.judge.in_sample:
+        lines += [
+            "",
+            (
+                "> **In-sample judge.** This reward model is the one PPO optimised against: the policy was "
+                "trained to please it, so these verdicts overstate its quality. Judge with an independent "
+                "reward model (trained on a disjoint split), an LLM or people before promoting on this evidence."
+            ),
+        ]
+    generation = report.generation
+    lines += [
+        "",
+        (
+            f"{report.prompts} held-out prompts, one reply per model (top-p {generation.top_p:g}, temperature "
+            f"{generation.temperature:g}, repetition penalty {generation.repetition_penalty:g}, at most "
+            f"{generation.max_new_tokens} new tokens). Rates are over the pairs with a valid verdict, with 95% "
+            "Wilson intervals; win minus lose has a 95% paired bootstrap interval."
+        ),
+        "",
+        "| pairs | valid | A wins | tie | B wins | win - lose | invalid |",
+        "|---|---|---|---|---|---|---|",
+        _outcome_row("all", report.overall),
+        *(_outcome_row(name, summary) for name, summary in report.by_category.items()),
+        _outcome_row(
+            f"similar length (within {report.length.similar_length_ratio:.0%})", report.length.similar_length
+        ),
+        "",
+        f"Mean reply length: A {report.length.mean_tokens_a:.1f} tokens, B {report.length.mean_tokens_b:.1f} tokens.",
+    ]
+    if report.alignment_tax is not None:
+        tax = report.alignment_tax
+        lines += [
+            "",
+            (
+                f"Alignment tax: perplexity of {tax.replies} held-out SFT replies {tax.perplexity_a:.3f} (A) vs "
+                f"{tax.perplexity_b:.3f} (B), a change of {tax.change:+.3f} ({tax.relative_change:+.1%}; "
+                "positive: A predicts them worse)."
+            ),
+        ]
+    for agreement in report.agreement:
+        if agreement.pairs == 0:
+            lines += ["", f"Agreement with {agreement.other_judge}: no pair judged validly by both."]
+            continue
+        kappa = "undefined" if agreement.kappa is None else f"{agreement.kappa:.3f}"
+        lines += [
+            "",
+            (
+                f"Agreement with {agreement.other_judge} on {agreement.pairs} pairs: {agreement.percent:.1%}, "
+                f"Cohen's kappa {kappa}."
+            ),
+        ]
+    if report.judge.figures:
+        figures = ", ".join(f"{name} {value:g}" for name, value in report.judge.figures.items())
+        lines += ["", f"Judge figures: {figures}."]
+    return "\n".join(lines) + "\n"

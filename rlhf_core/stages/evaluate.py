@@ -1,0 +1,208 @@
+"""Stage `eval`: model A against model B on the held-out evaluation prompts (paper section 6).
+
+Inputs: `data_dir` (prepared data; its `eval` split), `model_a` and `model_b` (stage output directories
+such as artifacts/ppo and artifacts/sft, or plain Hugging Face model directories; A is the model under
+evaluation, B the baseline), and the judge: "rm" (default: a reward model, `rm_dir`) or "llm" (an
+OpenAI-compatible API named by environment variables, judges/llm_endpoint.py). Human judging runs in
+the `rlhf-human-eval` Prefect flow, not here.
+
+Outputs in `out_dir`:
+
+    generations.jsonl    both models' replies to each prompt, with prompt ids (outputs.py)
+    verdicts.jsonl       the judge's verdict on each pair and what it was based on
+    report.json          the EvaluationReport (report.py)
+    report.md            the same for people
+    plots/win_rate.png   the paper's Figure 10-style win/tie/lose chart
+    judge_cache/         the LLM judge's cache (llm judge only; kept across reruns)
+    metrics.json         headline figures, written LAST: the evaluation is complete iff it exists
+
+Everything that can be checked before the slow work is checked first: the judge and its
+configuration, the model and reward-model directories, other judges' verdict files, the eval split. A rerun into the
+same `out_dir` regenerates the replies (same seed, same replies on the same hardware) and reuses every
+cached LLM verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from rlhf_core.config import Config
+from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
+from rlhf_core.evaluation.generation import Reply, generate_replies
+from rlhf_core.evaluation.judges.llm import LlmJudge
+from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
+from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
+from rlhf_core.evaluation.judges.verdicts import Judge
+from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
+from rlhf_core.evaluation.outputs import (
+    generation_rows,
+    read_generations,
+    read_verdicts,
+    verdict_rows,
+    write_jsonl,
+    write_text,
+)
+from rlhf_core.evaluation.plots import plot_win_tie_lose
+from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
+from rlhf_core.evaluation.report import JudgedPair, build_report, render_markdown
+from rlhf_core.models.base import DTYPES
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.stages.result import METRICS_FILE, StageResult, write_metrics
+from rlhf_core.training.logger import MetricsLogger, NullLogger
+
+JudgeKind = Literal["rm", "llm"]
+JUDGES: tuple[str, ...] = ("rm", "llm")
+GENERATION_BATCH_SIZE = 8
+GENERATIONS_FILE = "generations.jsonl"
+VERDICTS_FILE = "verdicts.jsonl"
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+PLOT_FILE = Path("plots") / "win_rate.png"
+JUDGE_CACHE_DIR = "judge_cache"
+HUMAN_JUDGE_MESSAGE = (
+    "human judging is answered by people in the Prefect UI: run the rlhf-human-eval flow; "
+    "`rlhf eval` runs the rm and llm judges"
+)
+
+
+def check_judge(judge: str, rm_dir: Path | None) -> None:
+    """Refuse an unknown judge, the human judge (a flow), and the rm judge without a reward model."""
+    if judge == "human":
+        raise ValueError(HUMAN_JUDGE_MESSAGE)
+    if judge not in JUDGES:
+        raise ValueError(f"unknown judge {judge!r}; choose one of {', '.join(JUDGES)} (or human, in the flow)")
+    if judge == "rm" and rm_dir is None:
+        raise ValueError("the reward-model judge needs a reward model: pass rm_dir (a train-rm output directory)")
+
+
+def model_replies(
+    config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device
+) -> tuple[list[Reply], float, int]:
+    """One model's replies to `prompts`, and its perplexity on their held-out reference replies (and count)."""
+    model, tokenizer = load_causal_lm(model_dir, dtype=DTYPES[config.model.dtype], device=device)
+    replies = generate_replies(
+        model,
+        tokenizer,
+        [prompt.prompt for prompt in prompts],
+        config.evaluation.generation,
+        GENERATION_BATCH_SIZE,
+        config.seed,
+    )
+    references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
+    perplexity, measured = reply_perplexity(
+        model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size
+    )
+    return replies, perplexity, measured
+
+
+def build_judge(
+    config: Config,
+    judge: JudgeKind,
+    rm_dir: Path | None,
+    rm_in_sample: bool,
+    endpoint: LlmEndpoint | None,
+    cache_dir: Path,
+    device: torch.device,
+) -> Judge:
+    """The reward-model judge or the LLM judge, configured from `config.evaluation`."""
+    settings = config.evaluation
+    if judge == "llm":
+        assert endpoint is not None  # resolved by run_evaluate before any slow work
+        return LlmJudge(endpoint, cache_dir, settings.llm_concurrency, settings.llm_max_retries)
+    assert rm_dir is not None  # check_judge
+    return RewardModelJudge.from_directory(
+        rm_dir,
+        settings.tie_margin,
+        config.reward.micro_batch_size,
+        rm_in_sample,
+        dtype=DTYPES[config.model.dtype],
+        device=device,
+    )
+
+
+def run_evaluate(
+    config: Config,
+    data_dir: Path,
+    model_a: Path,
+    model_b: Path,
+    out_dir: Path,
+    judge: JudgeKind = "rm",
+    rm_dir: Path | None = None,
+    *,
+    rm_in_sample: bool = True,
+    other_verdicts: Sequence[Path] = (),
+    judge_cache_dir: Path | None = None,
+    logger: MetricsLogger | None = None,
+) -> StageResult:
+    """Compare model A with model B on the eval split; see the module docstring.
+
+    `rm_in_sample`: whether the reward model judging is the one PPO optimised against (the default,
+    the safe assumption: the report then flags the verdicts as in-sample); pass False for an
+    independent reward model. `other_verdicts`: verdicts.jsonl files of other judges on the same pairs,
+    for agreement figures. `judge_cache_dir`: the LLM judge's cache (default `out_dir/judge_cache`).
+    """
+    started = time.perf_counter()
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    logger = logger if logger is not None else NullLogger()
+    check_judge(judge, rm_dir)
+    endpoint = LlmEndpoint.from_environment(config.evaluation.llm_model) if judge == "llm" else None
+    if rm_dir is not None:
+        resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)  # fail now, not after generating
+    dir_a, dir_b = resolve_model_dir(model_a), resolve_model_dir(model_b)
+    others = dict(read_verdicts(Path(path)) for path in other_verdicts)
+    prompts = evaluation_prompts(data_dir, config.evaluation.max_prompts)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
+    logger.log_params(
+        {
+            "evaluation": config.evaluation.model_dump(mode="json"),
+            "judge": judge,
+            "model_a": str(model_a),
+            "model_b": str(model_b),
+            "seed": config.seed,
+        }
+    )
+    logger.log_metrics({"progress": 0.0}, step=0)
+
+    replies_a, perplexity_a, measured = model_replies(config, dir_a, prompts, device)
+    logger.log_metrics({"progress": 0.3}, step=1)
+    replies_b, perplexity_b, _ = model_replies(config, dir_b, prompts, device)
+    logger.log_metrics({"progress": 0.6}, step=2)
+    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(prompts, replies_a, replies_b))
+    generated = read_generations(out_dir / GENERATIONS_FILE)  # the judge sees exactly what was stored
+
+    judge_impl = build_judge(
+        config, judge, rm_dir, rm_in_sample, endpoint, judge_cache_dir or out_dir / JUDGE_CACHE_DIR, device
+    )
+    judgements = judge_impl.judge([item.pair for item in generated])
+    info = judge_impl.info()
+    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated, judgements, info.name))
+    logger.log_metrics({"progress": 0.9}, step=3)
+
+    report = build_report(
+        [
+            JudgedPair(item.pair.pair_key, item.pair.category, item.tokens_a, item.tokens_b, judgement.verdict)
+            for item, judgement in zip(generated, judgements)
+        ],
+        info,
+        str(model_a),
+        str(model_b),
+        config.evaluation.generation,
+        config.seed,
+        alignment_tax=AlignmentTax(replies=measured, perplexity_a=perplexity_a, perplexity_b=perplexity_b),
+        other_judges=others,
+    )
+    write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
+    write_text(out_dir / REPORT_MD, render_markdown(report))
+    plot_win_tie_lose(report, out_dir / PLOT_FILE)
+    metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
+    logger.log_metrics({"progress": 1.0}, step=4)
+    write_metrics(out_dir, metrics)
+    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=None)

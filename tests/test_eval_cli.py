@@ -1,0 +1,154 @@
+"""`rlhf eval` on tiny model directories (no SFT or reward-model training needed).
+
+The command runs in this process through the console entry point `rlhf_cli.main.main` (argument
+parsing, one-line errors, exit status), which saves a fresh interpreter's torch import per case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_cli.main import main
+from rlhf_core.config import load_config
+from rlhf_core.models.chat import end_of_turn_id
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.saving import save_causal_lm
+from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.stages.prepare_data import run_prepare_data
+from rlhf_core.stages.result import write_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+JUDGE_VARIABLES = ("RLHF_JUDGE_API_KEY", "OPENAI_API_KEY", "RLHF_JUDGE_BASE_URL", "OPENAI_BASE_URL")
+
+
+@pytest.fixture()
+def rlhf(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run `rlhf ARGS...` in the repository root; returns (exit status, stdout, stderr)."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["rlhf", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        captured = capsys.readouterr()
+        return exit_info.value.code or 0, captured.out, captured.err
+
+    return run
+
+
+def hh_row(i: int, topic: str) -> str:
+    prompt = f"\n\nHuman: Tell me about {topic} number {i}."
+    return json.dumps({"chosen": f"{prompt}\n\nAssistant: {topic} {i} is fine.", "rejected": f"{prompt}\n\nAssistant: No."})
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Prepared data from two source files (two categories), two tiny LMs and a tiny reward model."""
+    root = tmp_path_factory.mktemp("eval-inputs")
+    raw = root / "raw"
+    raw.mkdir()
+    (raw / "harmless-base.jsonl").write_text("".join(hh_row(i, "safety") + "\n" for i in range(30)))
+    (raw / "helpful-base.jsonl").write_text("".join(hh_row(i, "gardening") + "\n" for i in range(30, 60)))
+    config = load_config(ROOT / "params.yaml", overlays=[TINY], overrides=["data.eval_fraction=0.3"])
+    run_prepare_data(config, root / "data", source=str(raw))
+    tokenizer = load_tiny_model()[1]
+    for name, seed in (("ppo", 0), ("sft", 1)):
+        save_causal_lm(build_tiny_model(tokenizer, seed=seed), tokenizer, root / name / "model")
+        write_metrics(root / name, {"steps": 0.0})
+    reward_model = RewardModel.from_causal_lm(build_tiny_model(tokenizer, seed=2), end_of_turn_id(tokenizer))
+    reward_model.save_pretrained(root / "reward" / "model", tokenizer)
+    write_metrics(root / "reward", {"steps": 0.0})
+    return {name: root / name for name in ("data", "ppo", "sft", "reward")}
+
+
+def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inputs, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    status, stdout, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "rm",
+        "--rm-dir", str(inputs["reward"]), "--data-dir", str(inputs["data"]), "-c", str(TINY),
+        "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6", "--out", str(out),
+    )
+    assert status == 0, stderr
+    assert "**Judge:** reward model" in stdout and "In-sample judge" in stdout
+    assert f"chart in {out / 'plots' / 'win_rate.png'}" in stdout
+
+    files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}
+    assert files == {
+        "generations.jsonl", "verdicts.jsonl", "report.json", "report.md", "plots/win_rate.png", "metrics.json"
+    }
+    generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    verdicts = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
+    assert len(generations) == len(verdicts) == 6
+    assert [g["prompt_id"] for g in generations] == [v["prompt_id"] for v in verdicts]
+    assert all(g["tokens_a"] <= 6 and g["tokens_b"] <= 6 for g in generations)
+    assert {v["verdict"] for v in verdicts} <= {"A", "B", "tie"}
+    assert all(v["margin"] == pytest.approx(v["score_a"] - v["score_b"]) for v in verdicts)
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["judge"]["kind"] == "rm" and report["judge"]["in_sample"] is True
+    assert set(report["by_category"]) == {"harmless-base", "helpful-base"}
+    assert report["generation"] == {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1}
+    metrics = json.loads((out / "metrics.json").read_text())
+    wins = sum(v["verdict"] == "A" for v in verdicts)
+    losses = sum(v["verdict"] == "B" for v in verdicts)
+    assert metrics["win_minus_loss"] == pytest.approx((wins - losses) / 6)
+    assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
+    assert metrics["perplexity_a"] > 1 and metrics["perplexity_b"] > 1
+    assert (out / "plots" / "win_rate.png").read_bytes()[:4] == b"\x89PNG"
+
+    # A second judge that calls every pair a tie, compared with the first on the same (seeded) pairs.
+    second = tmp_path / "eval-all-ties"
+    status, stdout, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"]),
+        "--rm-independent", "--agree-with", str(out / "verdicts.jsonl"), "--data-dir", str(inputs["data"]),
+        "-c", str(TINY), "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6",
+        "-s", "evaluation.tie_margin=1e9", "--out", str(second),
+    )
+    assert status == 0, stderr
+    assert "In-sample judge" not in stdout
+    first_judge = verdicts[0]["judge"]
+    ties = sum(v["verdict"] == "tie" for v in verdicts)
+    second_metrics = json.loads((second / "metrics.json").read_text())
+    assert second_metrics["tie_rate"] == 1.0 and second_metrics["judge_in_sample"] == 0.0
+    assert second_metrics[f"agreement/{first_judge}/pairs"] == 6
+    assert second_metrics[f"agreement/{first_judge}/percent"] == pytest.approx(ties / 6)
+
+
+def test_llm_judge_without_an_endpoint_fails_naming_the_variables(
+    rlhf, inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in JUDGE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "eval"
+    status, _, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "llm",
+        "--data-dir", str(inputs["data"]), "-c", str(TINY), "--out", str(out),
+    )
+    assert status == 1
+    message = stderr.strip()
+    assert len(message.splitlines()) == 1 and message.startswith("rlhf: error:")
+    assert "RLHF_JUDGE_API_KEY" in message and "RLHF_JUDGE_BASE_URL" in message and "--judge rm" in message
+    assert not out.exists()  # checked before any work
+
+
+def test_human_judge_points_to_the_flow(rlhf, inputs) -> None:
+    status, _, stderr = rlhf("eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "human")
+    assert status == 2
+    assert "rlhf-human-eval" in stderr and "Prefect UI" in stderr
+
+
+def test_an_unfinished_model_is_refused(rlhf, inputs, tmp_path: Path) -> None:
+    unfinished = tmp_path / "ppo"
+    (unfinished / "model").mkdir(parents=True)
+    (unfinished / "model" / "config.json").write_text("{}")
+    status, _, stderr = rlhf(
+        "eval", "--a", str(unfinished), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"]),
+        "--data-dir", str(inputs["data"]), "-c", str(TINY), "--out", str(tmp_path / "eval"),
+    )
+    assert status == 1
+    assert "unfinished stage output" in stderr

@@ -1,0 +1,239 @@
+"""The evaluation report (rates, categories, length, agreement, alignment tax, chart), generation of the
+replies, held-out reply perplexity, the evaluation prompts and model-directory resolution."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from rlhf_core.config import DataConfig, GenerationConfig
+from rlhf_core.data.prepare import prepare_preference_data
+from rlhf_core.data.validation import TokenLengths
+from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
+from rlhf_core.evaluation.generation import generate_replies
+from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
+from rlhf_core.evaluation.model_dirs import resolve_model_dir
+from rlhf_core.evaluation.plots import plot_win_tie_lose
+from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
+from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, render_markdown, summarise_outcomes
+from rlhf_core.evaluation.statistics import cohens_kappa, wilson_interval
+from rlhf_core.models.chat import encode_conversation
+from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+
+A, B, TIE, INVALID = Verdict.A, Verdict.B, Verdict.TIE, Verdict.INVALID
+GENERATION = GenerationConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+RM_JUDGE = JudgeInfo(kind="rm", name="reward model rm-dir", description="reward model rm-dir (IN-SAMPLE)", in_sample=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tiny_model()[1]
+    return build_tiny_model(tokenizer, seed=0), tokenizer
+
+
+# ---- outcome summaries
+
+
+def test_summary_counts_rates_and_intervals() -> None:
+    verdicts = [A] * 6 + [TIE] * 3 + [B] * 2 + [INVALID] * 2
+    summary = summarise_outcomes(verdicts, seed=0, resamples=500)
+    assert (summary.pairs, summary.valid, summary.wins, summary.ties, summary.losses, summary.invalid) == (
+        13, 11, 6, 3, 2, 2,
+    )
+    assert summary.win.rate == pytest.approx(6 / 11)
+    assert (summary.win.low, summary.win.high) == pytest.approx(wilson_interval(6, 11))
+    assert (summary.lose.low, summary.lose.high) == pytest.approx(wilson_interval(2, 11))
+    assert summary.win_minus_loss.rate == pytest.approx(4 / 11)
+    assert summary.win_minus_loss.low < 4 / 11 < summary.win_minus_loss.high
+
+
+def test_summary_of_only_invalid_verdicts_has_no_rates() -> None:
+    summary = summarise_outcomes([INVALID, INVALID], seed=0)
+    assert summary.valid == 0 and summary.win is None and summary.win_minus_loss is None
+
+
+def test_similar_length() -> None:
+    assert is_similar_length(10, 12) and is_similar_length(0, 0)
+    assert not is_similar_length(10, 13) and not is_similar_length(0, 1)
+
+
+# ---- the report
+
+
+def judged_pairs() -> list[JudgedPair]:
+    """Model A wins the long-reply pairs and loses the similar-length ones: a verbosity win."""
+    rows = []
+    for i in range(8):
+        rows.append(JudgedPair(f"long{i}", "harmless" if i % 2 else "helpful", 40, 10, A))
+    for i in range(4):
+        rows.append(JudgedPair(f"even{i}", "harmless", 20, 20, B if i < 3 else TIE))
+    rows.append(JudgedPair("bad", "helpful", 5, 5, INVALID))
+    return rows
+
+
+def test_report_breaks_down_by_category_and_length() -> None:
+    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, resamples=500)
+    assert report.overall.wins == 8 and report.overall.losses == 3 and report.overall.invalid == 1
+    assert set(report.by_category) == {"harmless", "helpful"}
+    assert report.by_category["helpful"].wins == 4 and report.by_category["helpful"].invalid == 1
+    assert report.by_category["harmless"].losses == 3
+    assert report.length.mean_tokens_a == pytest.approx((8 * 40 + 4 * 20 + 5) / 13)
+    similar = report.length.similar_length
+    assert (similar.valid, similar.wins, similar.losses, similar.ties) == (4, 0, 3, 1)
+    assert report.alignment_tax is None and report.agreement == []
+
+
+def test_a_single_category_is_not_broken_down() -> None:
+    rows = [JudgedPair(f"k{i}", "only", 3, 3, A) for i in range(3)]
+    assert build_report(rows, RM_JUDGE, "a", "b", GENERATION, seed=0, resamples=100).by_category == {}
+
+
+def test_agreement_with_other_judges() -> None:
+    rows = judged_pairs()
+    mine = {row.pair_key: row.verdict for row in rows}
+    other = dict(mine)
+    other["long0"], other["long1"] = TIE, B  # two disagreements
+    other["even0"] = INVALID  # left out: not judged validly by both
+    del other["long2"]  # left out: not judged by the other judge
+    report = build_report(
+        rows, RM_JUDGE, "a", "b", GENERATION, seed=0, other_judges={"LLM gpt": other}, resamples=100
+    )
+    (agreement,) = report.agreement
+    shared = [key for key in mine if key in other and INVALID not in (mine[key], other[key])]
+    assert agreement.pairs == len(shared) == 10
+    assert agreement.percent == pytest.approx(8 / 10)
+    expected_kappa = cohens_kappa([mine[k].value for k in shared], [other[k].value for k in shared])
+    assert agreement.kappa == pytest.approx(expected_kappa)
+    metrics = report.metrics()
+    assert metrics["agreement/LLM gpt/percent"] == pytest.approx(0.8)
+
+
+def test_metrics_markdown_and_chart(tmp_path: Path) -> None:
+    tax = AlignmentTax(replies=13, perplexity_a=12.0, perplexity_b=10.0)
+    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, alignment_tax=tax, resamples=500)
+    metrics = report.metrics()
+    assert metrics["win_rate"] == pytest.approx(8 / 12)
+    assert metrics["win_minus_loss"] == pytest.approx(5 / 12)
+    assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
+    assert metrics["invalid_pairs"] == 1 and metrics["judge_in_sample"] == 1.0
+    assert metrics["alignment_tax"] == pytest.approx(2.0)
+    assert metrics["category/harmless/lose_rate"] == pytest.approx(3 / 8)
+    assert metrics["similar_length/win_rate"] == 0.0
+    assert all(isinstance(value, float) and math.isfinite(value) for value in metrics.values())
+    json.dumps(metrics, allow_nan=False)
+
+    markdown = render_markdown(report)
+    assert "**Judge:** reward model rm-dir (IN-SAMPLE)" in markdown
+    assert "In-sample judge" in markdown
+    assert "| all | 12 | 66.7% (" in markdown and "+20.0%" in markdown  # alignment tax relative change
+    assert "similar length (within 20%)" in markdown
+
+    path = plot_win_tie_lose(report, tmp_path / "plots" / "win_rate.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in path.parent.iterdir()] == ["win_rate.png"]  # no temporary file left
+    # report.json round-trips
+    assert type(report).model_validate_json(report.model_dump_json()) == report
+
+
+# ---- generation, perplexity
+
+
+def test_generation_is_seeded_bounded_and_leaves_the_global_rng_alone(tiny) -> None:
+    model, tokenizer = tiny
+    prompts = [({"role": "user", "content": f"Question {i}?"},) for i in range(3)]
+    state = torch.get_rng_state()
+    first = generate_replies(model, tokenizer, prompts, GENERATION, batch_size=2, seed=11)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert generate_replies(model, tokenizer, prompts, GENERATION, batch_size=2, seed=11) == first
+    assert generate_replies(model, tokenizer, prompts, GENERATION, batch_size=2, seed=12) != first
+    assert len(first) == 3
+    for reply in first:
+        assert reply.tokens <= GENERATION.max_new_tokens
+        assert reply.finished or reply.tokens == GENERATION.max_new_tokens
+        assert "<|im_end|>" not in reply.text
+
+
+def reference_perplexity(model, tokenizer, examples) -> float:
+    """exp(mean NLL of reply + end-of-turn tokens), one unpadded sequence at a time."""
+    nll, count = 0.0, 0
+    for prompt, reply in examples:
+        encoded = encode_conversation(tokenizer, prompt, reply)
+        ids = torch.tensor([encoded.input_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+        for position in range(encoded.reply_start, len(encoded.input_ids)):
+            nll -= F.log_softmax(logits[position - 1].double(), dim=-1)[encoded.input_ids[position]].item()
+            count += 1
+    return math.exp(nll / count)
+
+
+def test_reply_perplexity_matches_a_plain_loop(tiny) -> None:
+    model, tokenizer = tiny
+    examples = [
+        (({"role": "user", "content": "Hi?"},), "Hello there."),
+        (({"role": "user", "content": "What is the capital of Italy, please?"},), "Rome."),
+        (({"role": "user", "content": "Count."},), "One, two, three, four, five."),
+    ]
+    value, measured = reply_perplexity(model, tokenizer, examples, max_length=256, batch_size=2)
+    assert measured == 3
+    assert value == pytest.approx(reference_perplexity(model, tokenizer, examples), rel=1e-4)
+    assert AlignmentTax(3, perplexity_a=value * 1.5, perplexity_b=value).relative_change == pytest.approx(0.5)
+
+
+# ---- prompts and model directories
+
+
+def test_evaluation_prompts_are_distinct_capped_and_categorised(tmp_path: Path) -> None:
+    harmless, helpful = tmp_path / "harmless-base.jsonl", tmp_path / "helpful-base.jsonl.gz"
+
+    def row(i: int, answer: str) -> str:
+        prompt = f"\n\nHuman: Question {i}?"
+        return json.dumps({"chosen": f"{prompt}\n\nAssistant: {answer} {i}.", "rejected": f"{prompt}\n\nAssistant: No."})
+
+    harmless.write_text("".join(row(i, "Yes") + "\n" + row(i, "Sure") + "\n" for i in range(40)))
+    with gzip.open(helpful, "wt") as file:
+        file.write("".join(row(i, "Indeed") + "\n" for i in range(40, 80)))
+    settings = DataConfig(eval_fraction=0.3, max_drop_fraction=0.9)
+    prepare_preference_data([harmless, helpful], tmp_path / "data", settings, lambda pair: TokenLengths(5, 10, 10))
+
+    prompts = evaluation_prompts(tmp_path / "data", max_prompts=1000)
+    ids = [prompt.prompt_id for prompt in prompts]
+    assert len(ids) == len(set(ids)) > 4  # questions 0-39 appear in two pairs each, once here
+    assert ids == sorted(ids)  # by prompt id: independent of the order of the input files
+    assert {prompt.category for prompt in prompts} == {"harmless-base", "helpful-base"}
+    assert [p.prompt_id for p in evaluation_prompts(tmp_path / "data", max_prompts=3)] == ids[:3]
+    assert category_of("Anthropic/hh-rlhf") == "Anthropic/hh-rlhf"
+
+
+def test_resolve_model_dir(tmp_path: Path) -> None:
+    stage = tmp_path / "ppo"
+    (stage / "model").mkdir(parents=True)
+    (stage / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="unfinished"):
+        resolve_model_dir(stage)
+    (stage / "metrics.json").write_text("{}")
+    assert resolve_model_dir(stage) == stage / "model"
+    assert resolve_model_dir(stage / "model") == stage / "model"
+    with pytest.raises(FileNotFoundError, match="neither a stage output"):
+        resolve_model_dir(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="MLflow registry URI"):
+        resolve_model_dir("models:/rlhf-policy@champion")
+
+
+def test_report_rejects_no_pairs() -> None:
+    with pytest.raises(ValueError, match="no judged pairs"):
+        build_report([], RM_JUDGE, "a", "b", GENERATION, seed=0)
+
+
+def test_outcome_values() -> None:
+    assert [v.outcome for v in (A, TIE, B)] == [1, 0, -1]
+    with pytest.raises(ValueError, match="invalid"):
+        _ = INVALID.outcome
+    assert np.mean([v.outcome for v in (A, A, B, TIE)]) == pytest.approx(0.25)
