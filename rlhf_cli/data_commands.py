@@ -1,0 +1,127 @@
+"""`rlhf data ...`: version the raw preference data with DVC.
+
+`rlhf data add FILE` validates a new preference file with the data stage's checks (against the rows
+already in `data/raw/`), copies it into `data/raw/`, runs `dvc add data/raw` and `dvc push`, and prints
+the new data version (the md5 DVC records in `data/raw.dvc`) with a report of every new row whose prompt
+is already an evaluation prompt. A rejected file leaves `data/raw/` and `data/raw.dvc` untouched.
+Registered in rlhf_cli/main.py as `app.add_typer(data_app, name="data")`.
+
+Heavy modules (the tokenizer pulls in torch and transformers) are imported inside the command, so
+`rlhf --help` and the other subcommands do not pay for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from rlhf_cli.options import resolve_config
+from rlhf_core.config import Config
+from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, workspace_matches
+
+if TYPE_CHECKING:
+    from rlhf_core.data.versioning import NewFileReport
+
+DEFAULT_RAW_DIR = Path("data/raw")
+
+
+class RawDataMismatchError(RuntimeError):
+    """The raw data on disk is not the version its .dvc file records (not pulled yet, or edited)."""
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Version the raw preference data with DVC (data/raw).")
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """A file added to the raw data: the check's report, where it went, and the data version it made."""
+
+    report: NewFileReport
+    path: Path
+    version: str
+    pushed: bool
+    remote: str | None  # None: the default remote (core.remote in .dvc/config)
+
+    def summary(self) -> str:
+        """The report, the new version, and what the user still has to do (commit the .dvc file)."""
+        if not self.pushed:
+            where = "not pushed (--no-push)"
+        elif self.remote is None:
+            where = "pushed to the default DVC remote"
+        else:
+            where = f"pushed to DVC remote {self.remote!r}"
+        tracked = dvc_file(self.path.parent)
+        return (
+            f"{self.report.summary()}\n"
+            f"added {self.path}; data version {self.version}, {where}\n"
+            f"commit it: git add {tracked} {tracked.parent / '.gitignore'} && git commit"
+        )
+
+
+def add_preference_file(
+    file: Path, config: Config, raw_dir: Path = DEFAULT_RAW_DIR, remote: str | None = None, push: bool = True
+) -> AddResult:
+    """Validate `file`, merge it into `raw_dir`, `dvc add` and (unless push=False) `dvc push` it.
+
+    The raw data on disk must be the version its .dvc file records: adding to a clone that has not run
+    `dvc pull` would otherwise make a new version without the existing rows. Nothing is written when the
+    file is rejected. If `dvc add` fails the copied file is removed again, so the raw data still matches
+    its .dvc file; if only the push fails, the new version is complete locally and the error says how to
+    push it.
+    """
+    from rlhf_core.data.versioning import check_new_file, merge_into_raw
+    from rlhf_core.models.base import load_base_tokenizer
+    from rlhf_core.stages.prepare_data import chat_token_lengths
+
+    tracked = dvc_file(raw_dir)
+    if tracked.is_file() and not workspace_matches(raw_dir):
+        raise RawDataMismatchError(
+            f"{raw_dir} is not the data version {tracked} records: run `dvc pull {tracked}` first "
+            f"(or `dvc add {raw_dir}` to make your edits a version), then add the file"
+        )
+    token_length = chat_token_lengths(load_base_tokenizer(config.model))
+    report = check_new_file(file, raw_dir, config.data, token_length)
+    merged = merge_into_raw(file, raw_dir)
+    try:
+        version = dvc_add(raw_dir)
+    except DvcError:
+        merged.unlink()
+        raise
+    if push:
+        try:
+            dvc_push(raw_dir, remote)
+        except DvcError as error:
+            remote_option = "" if remote is None else f"-r {remote} "
+            raise DvcError(
+                f"data version {version} is in the local DVC cache but was not pushed; "
+                f"retry with `dvc push {remote_option}{tracked}`. {error}"
+            ) from error
+    return AddResult(report=report, path=merged, version=version, pushed=push, remote=remote)
+
+
+@data_app.command("add")
+def add(
+    file: Annotated[Path, typer.Argument(help="The new preference file (.jsonl, .jsonl.gz, .json, .parquet).")],
+    remote: Annotated[
+        Optional[str], typer.Option("--remote", "-r", help="DVC remote to push to (default: core.remote).")
+    ] = None,
+    push: Annotated[bool, typer.Option("--push/--no-push", help="Push the new version to the remote.")] = True,
+    config: Annotated[
+        Optional[list[Path]],
+        typer.Option("--config", "-c", help="Overlay YAML merged over params.yaml (repeatable)."),
+    ] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", "-s", help="Override one value: key.path=value (repeatable).")
+    ] = None,
+    params: Annotated[Path, typer.Option("--params", help="The base parameter file.")] = Path("params.yaml"),
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="The DVC-tracked raw data directory (default data/raw).")
+    ] = None,
+) -> None:
+    """Validate a preference file, merge it into the raw data, dvc add + push it, print the data version."""
+    resolved = resolve_config(params, config, set_)
+    result = add_preference_file(file, resolved, out or DEFAULT_RAW_DIR, remote=remote, push=push)
+    typer.echo(result.summary())

@@ -1,0 +1,272 @@
+"""`rlhf data add` with real git, real DVC and an S3 remote served by `rclone serve s3` (tests/fixtures).
+
+Each test works in a fresh git + DVC repository under tmp_path that carries the project's own DVC setup
+(.dvc/config, .dvcignore), params.yaml and the tiny overlay; the S3 remote is configured with the commands
+data/README.md documents. The data version is checked against DVC's directory hash written out in plain
+code: the md5 of the sorted JSON list of {"md5", "relpath"} of the files.
+"""
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import typer
+from fixtures.servers import S3Server
+from typer.testing import CliRunner, Result
+
+from rlhf_cli.data_commands import RawDataMismatchError, data_app
+from rlhf_core.data.validation import DataValidationError
+from tasks.dvc_data import (
+    DvcError,
+    data_version,
+    dvc_add,
+    dvc_pull,
+    dvc_push,
+    run_dvc,
+    workspace_matches,
+)
+
+pytestmark = pytest.mark.slow
+
+PROJECT = Path(__file__).resolve().parents[1]
+PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
+BUCKET = "dvc-data"
+SPLIT_SALT = "rlhf-v1"  # params.yaml, data.split_salt
+EVAL_FRACTION = 0.1  # params.yaml, data.eval_fraction
+
+
+def git(repo: Path, *args: str) -> str:
+    identity = ["-c", "user.name=rlhf-tests", "-c", "user.email=rlhf-tests@example.com"]
+    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def make_project_repo(root: Path) -> Path:
+    """A committed git repository holding the project's DVC setup, params.yaml and the tiny overlay."""
+    root.mkdir()
+    git(root, "init", "-q")
+    for name in PROJECT_FILES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PROJECT / name, root / name)
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "project")
+    return root
+
+
+def reference_is_eval(prompt: str) -> bool:
+    prompt_id = hashlib.sha256(("user: " + " ".join(prompt.split()).casefold()).encode()).hexdigest()
+    bucket = int.from_bytes(hashlib.sha256(f"{SPLIT_SALT}\n{prompt_id}".encode()).digest()[:8], "big") / 2**64
+    return bucket < EVAL_FRACTION
+
+
+def dvc_directory_md5(directory: Path) -> str:
+    entries = sorted(
+        (
+            {"md5": hashlib.md5(path.read_bytes()).hexdigest(), "relpath": path.relative_to(directory).as_posix()}
+            for path in directory.rglob("*")
+            if path.is_file()
+        ),
+        key=lambda entry: entry["relpath"],
+    )
+    return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
+
+
+def object_path(md5: str) -> str:
+    """Where DVC 3 stores an object in a remote: files/md5/<first two hex digits>/<the rest>."""
+    return f"files/md5/{md5[:2]}/{md5[2:]}"
+
+
+def write_pairs(path: Path, rows: list[tuple[str, str]]) -> Path:
+    """(prompt, chosen) rows in the prompt/chosen/rejected format, one JSON object a line."""
+    lines = [json.dumps({"prompt": prompt, "chosen": chosen, "rejected": "No."}) for prompt, chosen in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def rlhf_data(*args: str) -> Result:
+    """Run `rlhf data ...` the way rlhf_cli/main.py registers it: app.add_typer(data_app, name="data")."""
+    app = typer.Typer()
+    app.add_typer(data_app, name="data")
+    return CliRunner().invoke(app, ["data", *args])
+
+
+PROMPTS = [f"How do I fix problem number {index}?" for index in range(60)]
+EVAL_PROMPT = next(prompt for prompt in PROMPTS if reference_is_eval(prompt))
+OTHER_PROMPT = next(prompt for prompt in PROMPTS if not reference_is_eval(prompt))
+
+
+@pytest.fixture
+def s3_repo(
+    tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> tuple[Path, str]:
+    """A project repository with an S3 remote `s3` (credentials from the AWS variables), as the cwd."""
+    repo = make_project_repo(tmp_path / "repo")
+    s3_server.create_bucket(BUCKET)
+    prefix = request.node.name  # one folder of the bucket per test
+    run_dvc(["remote", "add", "s3", f"s3://{BUCKET}/{prefix}"], repo)
+    run_dvc(["remote", "modify", "s3", "endpointurl", s3_server.endpoint_url], repo)
+    git(repo, "commit", "-q", "-am", "s3 remote")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.chdir(repo)
+    return repo, prefix
+
+
+@pytest.fixture
+def added_repo(s3_repo: tuple[Path, str]) -> tuple[Path, str, str]:
+    """s3_repo after `rlhf data add first.jsonl --remote s3` and a commit of data/raw.dvc."""
+    repo, prefix = s3_repo
+    first = write_pairs(repo.parent / "first.jsonl", [(prompt, "A helpful and careful answer.") for prompt in PROMPTS])
+    result = rlhf_data("add", str(first), "--remote", "s3", "--config", "configs/tiny.yaml")
+    assert result.exit_code == 0, result.output
+    version = data_version(repo / "data/raw")
+    assert f"data version {version}, pushed to DVC remote 's3'" in result.output
+    git(repo, "add", "data/raw.dvc", "data/.gitignore")
+    git(repo, "commit", "-q", "-m", "data: first")
+    return repo, prefix, version
+
+
+def test_add_pushes_to_s3_and_a_fresh_clone_pulls_the_same_data_after_refusing_to_add(
+    added_repo: tuple[Path, str, str], s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, prefix, version = added_repo
+    raw = repo / "data/raw"
+    assert [path.name for path in raw.iterdir()] == ["first.jsonl"]
+    assert (raw / "first.jsonl").read_bytes() == (repo.parent / "first.jsonl").read_bytes()
+    assert version == dvc_directory_md5(raw)
+    file_md5 = hashlib.md5((raw / "first.jsonl").read_bytes()).hexdigest()
+    listed = s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]
+    assert {f"{prefix}/{object_path(file_md5)}", f"{prefix}/{object_path(version)}"} <= {item["Key"] for item in listed}
+
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    assert not (clone / "data/raw").exists()
+    # Adding before pulling would make a version without the existing rows: refused.
+    monkeypatch.chdir(clone)
+    new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
+    refused = rlhf_data("add", str(new), "--remote", "s3", "--config", "configs/tiny.yaml")
+    assert isinstance(refused.exception, RawDataMismatchError)
+    assert "run `dvc pull data/raw.dvc` first" in str(refused.exception)
+    assert not (clone / "data/raw").exists()
+
+    # Credentials the other documented way: .dvc/config.local, not the environment.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    run_dvc(["remote", "modify", "--local", "s3", "access_key_id", s3_server.access_key], clone)
+    run_dvc(["remote", "modify", "--local", "s3", "secret_access_key", s3_server.secret_key], clone)
+    dvc_pull(clone / "data/raw", remote="s3")
+
+    assert (clone / "data/raw/first.jsonl").read_bytes() == (raw / "first.jsonl").read_bytes()
+    assert dvc_directory_md5(clone / "data/raw") == version == data_version(clone / "data/raw")
+    assert workspace_matches(clone / "data/raw")
+    assert "config.local" not in git(clone, "ls-files", ".dvc")
+
+
+def test_a_second_file_reports_rows_whose_prompt_is_in_the_evaluation_split(
+    added_repo: tuple[Path, str, str], s3_server: S3Server
+) -> None:
+    repo, prefix, first_version = added_repo
+    second = write_pairs(
+        repo.parent / "second.jsonl",
+        [("A brand new question about gardening?", "Water it."), (EVAL_PROMPT, "A second, better answer."),
+         (OTHER_PROMPT, "A second, better answer.")],
+    )
+    result = rlhf_data("add", str(second), "--remote", "s3", "--config", "configs/tiny.yaml")
+    assert result.exit_code == 0, result.output
+
+    lines = result.output.splitlines()
+    overlap_header = "evaluation split: 1 new row(s) have a prompt that is already an evaluation prompt"
+    assert any(line.startswith(overlap_header) for line in lines), result.output
+    overlap_rows = [line for line in lines if line.startswith("  line ")]
+    assert len(overlap_rows) == 1 and overlap_rows[0].startswith("  line 2: prompt ")
+    assert overlap_rows[0].endswith(repr(EVAL_PROMPT))
+    version = data_version(repo / "data/raw")
+    assert version != first_version and version == dvc_directory_md5(repo / "data/raw")
+    assert f"data version {version}, pushed to DVC remote 's3'" in result.output
+    s3_server.client().head_object(Bucket=BUCKET, Key=f"{prefix}/{object_path(version)}")  # raises if not pushed
+
+
+def test_a_file_with_bad_rows_is_rejected_and_changes_nothing(
+    added_repo: tuple[Path, str, str], s3_server: S3Server
+) -> None:
+    repo, prefix, _ = added_repo
+    dvc_file_before = (repo / "data/raw.dvc").read_bytes()
+    objects_before = s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["KeyCount"]
+    bad = repo.parent / "bad.jsonl"
+    bad.write_text(
+        "{not json\n"
+        + json.dumps({"prompt": "Q?", "chosen": "Same.", "rejected": "Same."}) + "\n"
+        + json.dumps({"question": "no preference fields"}) + "\n"
+        + json.dumps({"prompt": "Q2?", "chosen": "", "rejected": "No."}) + "\n",
+        encoding="utf-8",
+    )
+    result = rlhf_data("add", str(bad), "--remote", "s3", "--config", "configs/tiny.yaml")
+
+    assert result.exit_code != 0
+    assert isinstance(result.exception, DataValidationError)
+    assert str(result.exception) == (
+        f"data validation failed for {bad}: no valid preference pairs remain; kept 0/4 rows; "
+        "drops by reason: empty_reply=1, identical_replies=1, malformed_json=1, missing_field=1"
+    )
+    assert [path.name for path in (repo / "data/raw").iterdir()] == ["first.jsonl"]
+    assert (repo / "data/raw.dvc").read_bytes() == dvc_file_before
+    assert s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["KeyCount"] == objects_before
+
+
+def test_the_default_remote_is_a_directory_in_the_user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_project_repo(tmp_path / "repo")
+    raw = repo / "data/raw"
+    raw.mkdir(parents=True)
+    write_pairs(raw / "pairs.jsonl", [("Q?", "An answer.")])
+    version = dvc_add(raw)
+    assert workspace_matches(raw)
+
+    home = tmp_path / "home"  # `~` in .dvc/config: DVC expands it for the dvc process
+    monkeypatch.setenv("HOME", str(home))
+    dvc_push(raw)  # no remote named: core.remote, "local"
+
+    remote = home / ".cache/rlhf-pipeline/dvc-remote"
+    file_md5 = hashlib.md5((raw / "pairs.jsonl").read_bytes()).hexdigest()
+    assert (remote / object_path(file_md5)).is_file()
+    assert (remote / object_path(version)).is_file()
+
+    (raw / "pairs.jsonl").write_text("edited\n")
+    assert not workspace_matches(raw)
+
+
+def test_a_failed_dvc_add_takes_the_copied_file_out_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    project = tmp_path / "not-a-dvc-repo"  # no git, no .dvc: `dvc add` fails
+    project.mkdir()
+    for name in ("params.yaml", "configs/tiny.yaml"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PROJECT / name, project / name)
+    monkeypatch.chdir(project)
+    new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
+
+    result = rlhf_data("add", str(new), "--config", "configs/tiny.yaml")
+
+    assert isinstance(result.exception, DvcError)
+    assert "`dvc add raw` failed" in str(result.exception)
+    assert list((project / "data/raw").iterdir()) == []
+    assert not (project / "data/raw.dvc").exists()
+
+
+def test_a_failed_push_keeps_the_new_local_version_and_says_how_to_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = make_project_repo(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
+
+    result = rlhf_data("add", str(new), "--remote", "nowhere", "--config", "configs/tiny.yaml")
+
+    assert isinstance(result.exception, DvcError)
+    version = data_version(repo / "data/raw")
+    assert str(result.exception).startswith(
+        f"data version {version} is in the local DVC cache but was not pushed; "
+        "retry with `dvc push -r nowhere data/raw.dvc`. `dvc push --remote nowhere raw.dvc` failed"
+    )
+    assert version == dvc_directory_md5(repo / "data/raw")
+    assert workspace_matches(repo / "data/raw")
