@@ -1,0 +1,85 @@
+"""The deployments, defined once: `rlhf-pipeline` (manual, parameterised) and `rlhf-retrain` (cron).
+
+Two ways to run them, from the same definitions:
+- `rlhf serve` serves them from this machine (`serve_deployments`): no work pool or worker needed;
+  press Run in the Prefect UI, fill in the form, and this process runs the flow;
+- `prefect deploy --all` reads `prefect.yaml`, which declares the same deployments for work pools
+  (tests/test_orchestration_deployments.py checks that the two agree).
+
+Served deployments point at their flows by module path (`flows.pipeline.rlhf_pipeline`), which
+works from any directory with the project installed; the flows resolve relative paths (params.yaml,
+runs/, data/raw) against the working directory, so start `rlhf serve` in the project directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import Flow, serve
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.schedules import Cron
+
+from flows.pipeline import rlhf_pipeline
+from flows.retrain import rlhf_retrain
+
+TAGS = ("rlhf",)
+RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00
+RETRAIN_TIMEZONE = "UTC"
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """One deployment: the flow it runs (and its file entrypoint, as prefect.yaml names it) and how."""
+
+    name: str
+    flow: Flow[..., Any]
+    entrypoint: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    cron: str | None = None
+    timezone: str = RETRAIN_TIMEZONE
+    concurrency_limit: int | None = None
+    tags: tuple[str, ...] = TAGS
+
+
+DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
+    DeploymentSpec(
+        name="rlhf-pipeline",
+        flow=rlhf_pipeline,
+        entrypoint="flows/pipeline.py:rlhf_pipeline",
+        description="Run the pipeline (or some of its stages) with the settings in the form.",
+    ),
+    DeploymentSpec(
+        name="rlhf-retrain",
+        flow=rlhf_retrain,
+        entrypoint="flows/retrain.py:rlhf_retrain",
+        description="Weekly: pull the newest DVC data version, rerun the pipeline, register a challenger.",
+        parameters={"settings": {"data": "data/raw"}},
+        cron=RETRAIN_CRON,
+        concurrency_limit=1,  # a retrain still running when the next is due: the next one waits
+    ),
+)
+
+
+def runner_deployment(spec: DeploymentSpec) -> RunnerDeployment:
+    """The deployment `spec` describes, served by this process."""
+    schedules = [Cron(spec.cron, timezone=spec.timezone)] if spec.cron else None
+    return spec.flow.to_deployment(
+        name=spec.name,
+        description=spec.description,
+        parameters=spec.parameters,
+        schedules=schedules,
+        concurrency_limit=spec.concurrency_limit,
+        tags=list(spec.tags),
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
+def serve_deployments(limit: int | None = None) -> None:
+    """Register every deployment with the configured Prefect server and run their flow runs (blocks).
+
+    `limit` caps the flow runs this process runs at once; training stages are kept one at a time per
+    machine by the training concurrency limit (tasks/concurrency.py) whatever it is.
+    """
+    serve(*(runner_deployment(spec) for spec in DEPLOYMENTS), limit=limit)

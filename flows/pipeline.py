@@ -1,0 +1,221 @@
+"""The `rlhf-pipeline` flow: prepare data -> SFT -> reward model -> PPO-max -> register.
+
+Its one parameter is a pydantic model (`PipelineSettings`), which the Prefect UI renders as a form:
+config overlays and overrides, the data source, and the stages to run. The flow
+
+1. resolves and validates the configuration (a bad key fails the run before any work),
+2. versions the data source (tasks/data_source.py),
+3. gives the run its own directory `<runs_dir>/<created>-<id>/`, so a scheduled run and a manual one
+   never write to the same place; the id part is the END of the flow-run id, since Prefect's ids are
+   UUIDv7, whose first characters encode the creation time and are shared by runs created close
+   together,
+4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
+5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
+   earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`),
+6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
+   that error, so the flow run is Failed with it.
+
+`stages` names the stages wanted; the stages they depend on run too (as cache hits when nothing
+changed), the way `dvc repro <stage>` does. Relative paths in the settings are relative to the working
+directory of the process running the flow (`rlhf run`, or `rlhf serve` started in the project).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlhf_core.config import Config, load_config
+from tasks.caching import with_cache_dir
+from tasks.data_source import DataSource, resolve_data_source
+from tasks.lineage import pipeline_tags
+from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
+from tasks.outputs import StageOutput
+from tasks.registry import RegisteredVersion
+from tasks.stages import StageContext, ppo_task, prepare_data_task, register_task, reward_task, sft_task
+
+CACHE_DIR_NAME = ".cache"
+RUN_ID_CHARS = 8
+
+
+class Stage(str, Enum):
+    """The pipeline's stages, in the order they run."""
+
+    PREPARE_DATA = "prepare-data"
+    SFT = "sft"
+    REWARD = "reward"
+    PPO = "ppo"
+    REGISTER = "register"
+
+
+# The stages each stage needs the outputs of.
+NEEDS: dict[Stage, tuple[Stage, ...]] = {
+    Stage.PREPARE_DATA: (),
+    Stage.SFT: (Stage.PREPARE_DATA,),
+    Stage.REWARD: (Stage.PREPARE_DATA, Stage.SFT),
+    Stage.PPO: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD),
+    Stage.REGISTER: (Stage.REWARD, Stage.PPO),
+}
+
+
+class PipelineSettings(BaseModel):
+    """What a pipeline run is asked to do (the form of the Run dialog in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: list[str] = Field(
+        default_factory=list,
+        description="Overlay YAML files merged over the params file, in order (e.g. configs/tiny.yaml).",
+    )
+    overrides: list[str] = Field(
+        default_factory=list, description="key.path=value overrides, applied last (e.g. ppo.kl_coef=0.02)."
+    )
+    data: str | None = Field(
+        None, description="Preference data: a local file or directory, or a Hub dataset id (default: data.source)."
+    )
+    stages: list[Stage] = Field(
+        default_factory=lambda: list(Stage),
+        description="Stages to run; the stages they depend on run too (cache hits when unchanged).",
+    )
+    params_file: str = Field("params.yaml", description="The base parameter file.")
+    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+
+
+DEFAULT_SETTINGS = PipelineSettings()
+
+
+class PipelineResult(BaseModel):
+    """Where a finished pipeline run put everything."""
+
+    run_dir: Path
+    data: DataSource
+    tracking_uri: str
+    experiment_id: str
+    mlflow_run_id: str
+    mlflow_run_url: str | None
+    outputs: dict[str, StageOutput]
+    registered: list[RegisteredVersion]
+
+    def summary(self) -> str:
+        """The lines `rlhf run` ends with."""
+        lines = [
+            f"run directory: {self.run_dir}",
+            f"data version: {self.data.version} ({self.data.kind}: {self.data.uri})",
+            f"MLflow run: {self.mlflow_run_url or self.mlflow_run_id} (experiment {self.experiment_id})",
+            f"MLflow tracking URI: {self.tracking_uri}",
+        ]
+        if self.tracking_uri.startswith("sqlite:"):
+            lines.append(f"  browse it with: mlflow ui --backend-store-uri {self.tracking_uri}")
+        for stage, output in self.outputs.items():
+            reused = "" if output.out_dir.parent == self.run_dir else " (cache hit: an earlier run's output)"
+            lines.append(f"stage {stage}: {output.out_dir}{reused}")
+        for version in self.registered:
+            alias = f", alias {version.alias}" if version.alias else ""
+            reused = " (unchanged model: existing version)" if version.reused else ""
+            lines.append(f"registered: {version.name} version {version.version}{alias}: {version.uri}{reused}")
+        return "\n".join(lines)
+
+
+def stages_to_run(wanted: list[Stage]) -> set[Stage]:
+    """`wanted` and everything they depend on, transitively."""
+    selected: set[Stage] = set()
+    pending = list(wanted)
+    while pending:
+        stage = pending.pop()
+        if stage not in selected:
+            selected.add(stage)
+            pending.extend(NEEDS[stage])
+    return selected
+
+
+def run_directory(runs_dir: Path) -> Path:
+    """`<runs_dir>/<YYYYmmdd-HHMMSS>-<last 8 hex of the flow-run id>`: stable across retries of one run."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        raise RuntimeError("run_directory must be called inside a flow run")
+    created = context.flow_run.created or datetime.now(timezone.utc)
+    return runs_dir / f"{created:%Y%m%d-%H%M%S}-{context.flow_run.id.hex[-RUN_ID_CHARS:]}"
+
+
+def run_stages(
+    config: Config,
+    source: DataSource,
+    selected: set[Stage],
+    context: StageContext,
+    cache_dir: Path,
+    lineage: dict[str, str],
+) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
+    """Run the selected stages in order, each with its cache in `cache_dir`."""
+    outputs: dict[str, StageOutput] = {}
+    registered: list[RegisteredVersion] = []
+    if Stage.PREPARE_DATA in selected:
+        outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
+    if Stage.SFT in selected:
+        outputs["sft"] = with_cache_dir(sft_task, cache_dir)(config, outputs["prepare-data"], context)
+    if Stage.REWARD in selected:
+        outputs["reward"] = with_cache_dir(reward_task, cache_dir)(
+            config, outputs["prepare-data"], outputs["sft"], context
+        )
+    if Stage.PPO in selected:
+        outputs["ppo"] = with_cache_dir(ppo_task, cache_dir)(
+            config, outputs["prepare-data"], outputs["sft"], outputs["reward"], context
+        )
+    if Stage.REGISTER in selected:
+        registered = register_task(config, outputs["reward"], outputs["ppo"], lineage, context)
+    return outputs, registered
+
+
+def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput]) -> None:
+    """Tag the parent run with each stage's output hash and MLflow run (an earlier run's when cached)."""
+    client = tracking.client()
+    for stage, output in outputs.items():
+        client.set_tag(tracking.parent_run_id, f"stage.{stage}.sha256", output.sha256)
+        client.set_tag(tracking.parent_run_id, f"stage.{stage}.run_id", str(output.mlflow_run_id))
+        client.set_tag(tracking.parent_run_id, f"stage.{stage}.out_dir", str(output.out_dir))
+
+
+@flow(name="rlhf-pipeline", description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, register.")
+def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResult:
+    """Run the pipeline as `settings` asks; see the module docstring for the steps."""
+    logger = get_run_logger()
+    project_dir = Path.cwd()
+    config = load_config(settings.params_file, settings.config, settings.overrides)
+    source = resolve_data_source(settings.data or config.data.source, config)
+    runs_dir = Path(settings.runs_dir).resolve()
+    run_dir = run_directory(runs_dir)
+    lineage = pipeline_tags(config, source)
+    tracking = open_pipeline_run(config, project_dir, run_name=run_dir.name, tags=lineage)
+    logger.info(
+        "run directory %s, data version %s (%s), MLflow run %s",
+        run_dir,
+        source.version,
+        source.kind,
+        tracking.parent_run_id,
+    )
+    context = StageContext(run_dir=run_dir, tracking=tracking)
+    try:
+        outputs, registered = run_stages(
+            config, source, stages_to_run(settings.stages), context, runs_dir / CACHE_DIR_NAME, lineage
+        )
+        record_stage_runs(tracking, outputs)
+    except BaseException as error:
+        close_run(tracking.client(), tracking.parent_run_id, error)
+        raise
+    close_run(tracking.client(), tracking.parent_run_id)
+    result = PipelineResult(
+        run_dir=run_dir,
+        data=source,
+        tracking_uri=tracking.tracking_uri,
+        experiment_id=tracking.experiment_id,
+        mlflow_run_id=tracking.parent_run_id,
+        mlflow_run_url=tracking.parent_run_url(),
+        outputs=outputs,
+        registered=registered,
+    )
+    logger.info("%s", result.summary())
+    return result

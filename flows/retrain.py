@@ -1,0 +1,62 @@
+"""The `rlhf-retrain` flow: pull the data version the checkout pins, then run the whole pipeline.
+
+Scheduled by the `rlhf-retrain` deployment (flows/deployments.py). The raw preference data is the
+DVC-tracked directory `data/raw`; its `.dvc` file, committed with the code, names the newest data
+version (`rlhf data add` writes it), and `dvc pull` brings that version into the workspace from the
+DVC remote. The pipeline then versions it by the same md5, and its `register` stage puts the new
+policy in the registry under the alias `challenger`; unchanged data and settings make every stage a
+cache hit and leave the registry as it was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field
+
+from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
+from tasks import dvc_data
+
+PULL_RETRIES = 2
+PULL_RETRY_DELAY_SECONDS = 30
+
+
+class RetrainSettings(BaseModel):
+    """What a scheduled retraining runs on (the form of the Run dialog in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field("data/raw", description="The DVC-tracked raw data to pull and train on.")
+    config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
+    overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
+    params_file: str = Field("params.yaml", description="The base parameter file.")
+    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+
+
+DEFAULT_SETTINGS = RetrainSettings()
+
+
+@task(name="pull-data", cache_policy=NO_CACHE, retries=PULL_RETRIES, retry_delay_seconds=PULL_RETRY_DELAY_SECONDS)
+def pull_data_task(target: str) -> str:
+    """`dvc pull` the data version `target`'s .dvc file pins; returns the data's absolute path."""
+    path = Path(target).resolve()
+    dvc_data.dvc_pull(path)
+    return str(path)
+
+
+@flow(
+    name="rlhf-retrain", description="Pull the newest DVC data version and rerun the pipeline; registers a challenger."
+)
+def rlhf_retrain(settings: RetrainSettings = DEFAULT_SETTINGS) -> PipelineResult:
+    """Pull the data, then run every stage of `rlhf-pipeline` on it (as a subflow)."""
+    data = pull_data_task(settings.data)
+    pipeline_settings = PipelineSettings(
+        config=settings.config,
+        overrides=settings.overrides,
+        data=data,
+        params_file=settings.params_file,
+        runs_dir=settings.runs_dir,
+    )
+    return rlhf_pipeline(pipeline_settings)

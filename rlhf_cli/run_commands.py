@@ -1,0 +1,69 @@
+"""`rlhf run` (the whole pipeline, here and now) and `rlhf serve` (the deployments, for the Prefect UI).
+
+Registered in rlhf_cli/main.py. `rlhf run` runs the `rlhf-pipeline` flow in this process on the
+embedded defaults: with PREFECT_API_URL unset Prefect starts a temporary server for the run itself,
+MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_TRACKING_URI (or
+tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
+printing where the results are: run directory, data version, MLflow run, registered versions.
+
+`rlhf serve` serves the deployments of flows/deployments.py against the configured Prefect server
+(`prefect config set PREFECT_API_URL=...`, or a started `prefect server start`), until interrupted.
+
+Flows (and with them Prefect, MLflow and torch) are imported inside the commands, so
+`rlhf --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlhf_cli.options import ConfigOption, ParamsOption, SetOption
+
+DataOption = Annotated[
+    Optional[str],
+    typer.Option("--data", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
+]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where run directories and the stage cache go.")]
+StageOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--stage",
+        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, register.",
+    ),
+]
+LimitOption = Annotated[
+    Optional[int], typer.Option("--limit", help="Most flow runs this process runs at once (default: no cap).")
+]
+
+
+def run(
+    data: DataOption = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    runs_dir: RunsDirOption = Path("runs"),
+    stage: StageOption = None,
+) -> None:
+    """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, register) and say where it all is."""
+    from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+
+    settings = PipelineSettings(
+        config=[str(path) for path in config or []],
+        overrides=list(set_ or []),
+        data=data,
+        stages=[Stage(name) for name in stage] if stage else list(Stage),
+        params_file=str(params),
+        runs_dir=str(runs_dir),
+    )
+    result = rlhf_pipeline(settings)
+    typer.echo(result.summary())
+
+
+def serve(limit: LimitOption = None) -> None:
+    """Serve the rlhf-pipeline and rlhf-retrain deployments from this machine (run them from the Prefect UI)."""
+    from flows.deployments import serve_deployments
+
+    serve_deployments(limit=limit)

@@ -1,0 +1,100 @@
+"""What a stage shows in the Prefect UI: a markdown summary, a table of sample generations, live progress.
+
+Artifact keys are `<stage>-summary`, `<stage>-samples` and `<stage>-progress`, so the UI's Artifacts
+page keeps the history of each across runs. Progress comes from the `progress` metric (in [0, 1]) that
+every training stage logs: `ProgressArtifactLogger` wraps the stage's metrics logger (the MLflow one)
+and moves the progress bar as that metric arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from rlhf_core.training.logger import MetricsLogger
+from tasks.outputs import StageOutput
+
+PROGRESS_METRIC = "progress"
+MIN_PROGRESS_STEP_PERCENT = 1.0  # fewer API calls: move the bar by at least 1 % at a time
+MAX_SAMPLE_ROWS = 50
+MAX_CELL_CHARS = 500
+
+
+class ProgressArtifactLogger:
+    """A `MetricsLogger` that forwards everything to `inner` and mirrors `progress` in a progress artifact."""
+
+    def __init__(self, inner: MetricsLogger, stage: str) -> None:
+        self.inner = inner
+        self.shown_percent = 0.0
+        self.artifact_id = create_progress_artifact(
+            progress=0.0, key=f"{stage}-progress", description=f"Progress of stage {stage}"
+        )
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.inner.log_metrics(metrics, step)
+        if PROGRESS_METRIC in metrics:
+            self.show(100.0 * min(max(float(metrics[PROGRESS_METRIC]), 0.0), 1.0))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.inner.log_params(params)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def show(self, percent: float) -> None:
+        """Update the artifact if the bar moved by MIN_PROGRESS_STEP_PERCENT, or reached 100 %."""
+        moved = percent - self.shown_percent >= MIN_PROGRESS_STEP_PERCENT
+        if moved or (percent == 100.0 and self.shown_percent < 100.0):
+            update_progress_artifact(self.artifact_id, progress=percent)
+            self.shown_percent = percent
+
+
+def summary_markdown(output: StageOutput, mlflow_link: str) -> str:
+    """A short report of a finished stage: where its output is, its hash, its final metrics."""
+    lines = [
+        f"# Stage `{output.stage}`",
+        "",
+        f"- output: `{output.out_dir}`",
+        f"- content sha256: `{output.sha256[:16]}`",
+        f"- MLflow run: {mlflow_link}",
+    ]
+    if output.model_dir is not None:
+        lines.append(f"- model: `{output.model_dir}`")
+    if output.metrics:
+        lines += ["", "| metric | value |", "|---|---|"]
+        lines += [f"| {name} | {value:.6g} |" for name, value in sorted(output.metrics.items())]
+    return "\n".join(lines) + "\n"
+
+
+def publish_summary(output: StageOutput, mlflow_link: str) -> None:
+    """The `<stage>-summary` markdown artifact."""
+    create_markdown_artifact(
+        markdown=summary_markdown(output, mlflow_link),
+        key=f"{output.stage}-summary",
+        description=f"Summary of stage {output.stage}",
+    )
+
+
+def read_samples(path: Path, max_rows: int = MAX_SAMPLE_ROWS) -> list[dict[str, str]]:
+    """The newest `max_rows` rows of a samples.jsonl, every value a string cut to MAX_CELL_CHARS."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [{key: _cell(value) for key, value in json.loads(line).items()} for line in lines[-max_rows:]]
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 3] + "..."
+
+
+def publish_samples(stage: str, rows: list[dict[str, str]]) -> None:
+    """The `<stage>-samples` table artifact (nothing when there are no rows)."""
+    if rows:
+        create_table_artifact(table=rows, key=f"{stage}-samples", description=f"Sample generations of {stage}")

@@ -1,0 +1,136 @@
+"""Putting the trained models into the MLflow Model Registry, ready to serve.
+
+- The PPO policy is logged with the transformers flavour as a `text-generation` pipeline with task
+  `llm/v1/chat`, from the stage's model directory: its tokenizer carries the chat template and its
+  generation config stops at the end-of-turn token, so `mlflow models serve` answers OpenAI-style
+  chat requests (`{"messages": [...]}`) and a reply ends at `<|im_end|>`. (The flavour's own "log from
+  a checkpoint path" mode does not work with transformers 5; loading the pipeline costs one model's
+  memory, which the training stage needed anyway.)
+- The reward model is logged as a pyfunc (tasks/reward_scorer.py) whose artifact is its directory.
+
+Each new version gets tags linking it to the data version, the pipeline and stage runs, the config
+and code, and `evaluation.status = pending` (the evaluation stage replaces it); the new policy
+version gets the alias `challenger`. Registration is idempotent on content: a model directory whose
+sha256 is already registered (a rerun on unchanged inputs) gets no new version; the alias moves to
+the existing one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+import mlflow
+import transformers
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from pydantic import BaseModel, ConfigDict
+
+from tasks.outputs import StageOutput
+from tasks.reward_scorer import MODEL_ARTIFACT, RewardScorer
+
+CHALLENGER_ALIAS = "challenger"
+CHAT_TASK = "llm/v1/chat"
+CONTENT_TAG = "rlhf.content_sha256"
+STAGE_RUN_TAG = "rlhf.stage_run_id"
+PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
+EVALUATION_STATUS_TAG = "evaluation.status"
+EVALUATION_PENDING = "pending"
+REWARD_VERSION_TAG = "rlhf.reward_model_version"
+MODEL_ARTIFACT_PATH = "model"
+
+
+class RegisteredVersion(BaseModel):
+    """A model version in the registry, and the alias pointing at it (if any)."""
+
+    model_config = ConfigDict(frozen=True, coerce_numbers_to_str=True)  # MLflow returns int or str
+
+    name: str
+    version: str
+    alias: str | None = None
+    reused: bool = False  # an existing version with the same content
+
+    @property
+    def uri(self) -> str:
+        """`models:/name@alias` when aliased, else `models:/name/version`."""
+        return f"models:/{self.name}@{self.alias}" if self.alias else f"models:/{self.name}/{self.version}"
+
+
+def requirement(distribution: str) -> str:
+    """`name==version` of an installed distribution, without a local build tag (`2.4.0+cpu` -> `2.4.0`)."""
+    return f"{distribution}=={version(distribution).split('+')[0]}"
+
+
+def find_version(client: MlflowClient, name: str, content_sha256: str) -> ModelVersion | None:
+    """The newest version of `name` registered from content `content_sha256`, if any."""
+    versions = client.search_model_versions(f"name = '{name}' and tags.`{CONTENT_TAG}` = '{content_sha256}'")
+    return max(versions, key=lambda found: int(found.version), default=None)
+
+
+def log_policy(model_dir: Path) -> str:
+    """Log the policy under the active run as a chat model; returns the logged model's URI."""
+    pipeline = transformers.pipeline("text-generation", model=str(model_dir))
+    info = mlflow.transformers.log_model(
+        transformers_model=pipeline,
+        name=MODEL_ARTIFACT_PATH,
+        task=CHAT_TASK,
+        pip_requirements=[requirement("torch"), requirement("transformers"), requirement("mlflow")],
+    )
+    return info.model_uri
+
+
+def log_reward_model(model_dir: Path) -> str:
+    """Log the reward model under the active run as a scoring pyfunc; returns the logged model's URI."""
+    info = mlflow.pyfunc.log_model(
+        name=MODEL_ARTIFACT_PATH,
+        python_model=RewardScorer(),
+        artifacts={MODEL_ARTIFACT: str(model_dir)},
+        pip_requirements=[requirement("torch"), requirement("transformers"), requirement("mlflow")],
+    )
+    return info.model_uri
+
+
+def register(
+    client: MlflowClient,
+    tracking_uri: str,
+    run_id: str,
+    name: str,
+    output: StageOutput,
+    tags: dict[str, str],
+    alias: str | None,
+) -> RegisteredVersion:
+    """Register `output.model_dir` as a new version of `name` (or reuse one with the same content).
+
+    The model is logged under the MLflow run `run_id` (the pipeline's `register` stage run); `tags`
+    go on a new version only, so a reused version keeps the lineage of the run that produced it.
+    """
+    if output.model_dir is None:
+        raise ValueError(f"stage {output.stage!r} produced no model directory to register")
+    existing = find_version(client, name, output.sha256)
+    if existing is not None:
+        registered = RegisteredVersion(name=name, version=existing.version, alias=alias, reused=True)
+    else:
+        model_uri = log_model_in_run(tracking_uri, run_id, output)
+        created = mlflow.register_model(model_uri, name, tags={CONTENT_TAG: output.sha256, **tags})
+        registered = RegisteredVersion(name=name, version=created.version, alias=alias)
+    if alias is not None:
+        client.set_registered_model_alias(name, alias, registered.version)
+    return registered
+
+
+def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str:
+    """Log the stage's model in run `run_id` with the flavour of its stage; returns the model URI.
+
+    The flavours log through MLflow's fluent API, which reads the process-wide tracking URI and the
+    calling thread's active run: both are set here, for this call.
+    """
+    log_model = MODEL_LOGGERS.get(output.stage)
+    if log_model is None or output.model_dir is None:
+        raise ValueError(f"stage {output.stage!r} has no registrable model (model_dir {output.model_dir})")
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        return log_model(output.model_dir)
+
+
+MODEL_LOGGERS: dict[str, Callable[[Path], str]] = {"ppo": log_policy, "reward": log_reward_model}

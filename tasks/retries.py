@@ -1,0 +1,51 @@
+"""Which stage failures are worth a retry.
+
+A training stage writes checkpoints as it goes, and rerunning it with the same output directory
+resumes from the newest complete one, so a crash (a worker lost, out of memory, a flaky file system)
+costs a retry only the steps since that checkpoint. Some failures would fail the same way again,
+and retrying them only delays the report:
+- a bad configuration, unusable data, a data source that cannot be read, and any other ValueError
+  (the stages raise it for inputs they cannot use);
+- checkpoints made with other settings (ResumeMismatchError): resuming is refused every time;
+- a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
+  given the seed and the checkpoint a retry would resume from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import Task
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from rlhf_core.config import ConfigError
+from rlhf_core.data.readers import DataSourceError
+from rlhf_core.data.validation import DataValidationError
+from rlhf_core.ppo.guard import CollapseError
+from rlhf_core.stages.training_run import ResumeMismatchError
+from rlhf_core.training.loop import NonFiniteLossError
+
+NOT_RETRIED: tuple[type[BaseException], ...] = (
+    ConfigError,
+    ValueError,
+    DataValidationError,
+    DataSourceError,
+    ResumeMismatchError,
+    NonFiniteLossError,
+    CollapseError,
+)
+
+STAGE_RETRIES = 2
+RETRY_DELAY_SECONDS = 10
+
+
+def is_retryable(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect's `retry_condition_fn`: retry unless the failure is one of NOT_RETRIED."""
+    try:
+        state.result()
+    except NOT_RETRIED:
+        return False
+    except Exception:  # noqa: BLE001 - anything else may be transient: retry and resume
+        return True
+    return True

@@ -1,0 +1,295 @@
+"""The pipeline's Prefect tasks, one per stage, each a thin wrapper over its `rlhf_core.stages` function.
+
+Every stage task:
+- takes the resolved `Config`, its inputs (a `DataSource` or upstream `StageOutput`s: paths and hashes,
+  never models) and the run's `StageContext`, and returns a `StageOutput`;
+- is cached on content (tasks/caching.py) with its result persisted, and retried under
+  `is_retryable` (tasks/retries.py): a retried training stage reuses its output directory, so it
+  resumes from its newest checkpoint;
+- runs inside a nested MLflow run of the pipeline's parent run, with the config sections it reads as
+  params, its stepped metrics logged through MlflowLogger, and its report files as artifacts;
+- publishes a markdown summary (and a table of sample generations when it wrote samples.jsonl) as
+  Prefect artifacts, and training stages a progress artifact fed by their `progress` metric;
+- trains (SFT, reward model, PPO) only while holding this machine's training slot (tasks/concurrency.py).
+
+`register_task` is not cached: the registry itself is its record (tasks/registry.py reuses a version
+with the same content), and it is cheap next to training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mlflow import MlflowClient
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+from pydantic import BaseModel, ConfigDict
+
+from rlhf_core.config import Config
+from rlhf_core.stages import ppo, prepare_data, reward, sft
+from rlhf_core.stages.result import METRICS_FILE
+from rlhf_core.training.logger import MetricsLogger
+from tasks.artifacts import ProgressArtifactLogger, publish_samples, publish_summary, read_samples
+from tasks.caching import StageCachePolicy
+from tasks.concurrency import training_slot
+from tasks.data_source import DataSource
+from tasks.mlflow_runs import TrackingTarget, run_url, stage_run
+from tasks.outputs import StageOutput, output_sha256
+from tasks.registry import (
+    CHALLENGER_ALIAS,
+    EVALUATION_PENDING,
+    EVALUATION_STATUS_TAG,
+    PIPELINE_RUN_TAG,
+    REWARD_VERSION_TAG,
+    STAGE_RUN_TAG,
+    RegisteredVersion,
+    register,
+)
+from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
+from tasks.tracking import MlflowLogger
+
+REPORT_FILES = ("data_report.json", METRICS_FILE)
+PLOTS_DIR = "plots"
+SAMPLES_FILE = "samples.jsonl"
+FINAL_METRIC_PREFIX = "final."
+
+# Each stage's directory inside the run directory (the layout of `artifacts/` and dvc.yaml).
+OUTPUT_DIRS = {"prepare-data": "data", "sft": "sft", "reward": "reward", "ppo": "ppo"}
+
+# Config sections each stage reads; they (and config.seed) enter its cache key and its MLflow params.
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "prepare-data": ("data", "model"),
+    "sft": ("model", "sft", "distributed"),
+    "reward": ("model", "reward", "distributed"),
+    "ppo": ("model", "ppo", "distributed"),
+}
+
+STAGE_TASK_OPTIONS: dict[str, Any] = {
+    "retries": STAGE_RETRIES,
+    "retry_delay_seconds": RETRY_DELAY_SECONDS,
+    "retry_condition_fn": is_retryable,
+    "persist_result": True,
+    "result_serializer": "json",
+}
+
+
+class StageContext(BaseModel):
+    """What the stage tasks of one pipeline run share: the run directory and the MLflow parent run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_dir: Path
+    tracking: TrackingTarget
+
+
+@dataclass
+class StageRun:
+    """One attempt of a stage, inside its nested MLflow run: where it writes and what it logs to."""
+
+    stage: str
+    out_dir: Path
+    run_id: str
+    client: MlflowClient
+    tracking: TrackingTarget
+
+    def progress_logger(self) -> MetricsLogger:
+        """The MLflow logger of this run, also moving the stage's Prefect progress artifact."""
+        return ProgressArtifactLogger(MlflowLogger(self.run_id, self.client), self.stage)
+
+    def finish(self, model_dir: Path | None) -> StageOutput:
+        """Hash the finished output, log its report files to MLflow, publish the Prefect summary."""
+        output = StageOutput(
+            stage=self.stage,
+            out_dir=self.out_dir,
+            sha256=output_sha256(self.out_dir, model_dir),
+            metrics=read_numeric_metrics(self.out_dir / METRICS_FILE),
+            model_dir=model_dir,
+            mlflow_run_id=self.run_id,
+        )
+        log_output_files(self.client, self.run_id, output)
+        link = run_url(self.tracking.tracking_uri, self.tracking.experiment_id, self.run_id) or self.run_id
+        publish_summary(output, link)
+        samples = self.out_dir / SAMPLES_FILE
+        if samples.is_file():
+            publish_samples(self.stage, read_samples(samples))
+        return output
+
+
+@contextmanager
+def tracked_stage(stage: str, config: Config, context: StageContext) -> Iterator[StageRun]:
+    """Open the nested MLflow run of this attempt of `stage` (closed FINISHED or FAILED on exit)."""
+    params: dict[str, Any] = {"seed": config.seed}
+    params |= {name: getattr(config, name).model_dump(mode="json") for name in STAGE_SECTIONS[stage]}
+    tags = {"prefect.task_run_id": str(task_run.get_id()), "prefect.attempt": str(task_run.get_run_count())}
+    with stage_run(context.tracking, stage, params, tags) as run_id:
+        yield StageRun(stage, context.run_dir / OUTPUT_DIRS[stage], run_id, context.tracking.client(), context.tracking)
+
+
+def read_numeric_metrics(path: Path) -> dict[str, float]:
+    """The numbers in a metrics.json, nested keys joined with dots (strings and lists are skipped)."""
+    return _numbers(json.loads(path.read_text(encoding="utf-8")), prefix="")
+
+
+def _numbers(value: Any, prefix: str) -> dict[str, float]:
+    if isinstance(value, dict):
+        found: dict[str, float] = {}
+        for key, item in value.items():
+            found |= _numbers(item, f"{prefix}{key}.")
+        return found
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {prefix.rstrip("."): float(value)}
+    return {}
+
+
+def log_output_files(client: MlflowClient, run_id: str, output: StageOutput) -> None:
+    """Report files, plots and the sample table of a finished stage; metrics.json as `final.*` metrics.
+
+    The `final.` prefix keeps the end-of-stage figures apart from the stepped metrics of the same name.
+    """
+    for name in REPORT_FILES:
+        if (output.out_dir / name).is_file():
+            client.log_artifact(run_id, str(output.out_dir / name))
+    if (output.out_dir / PLOTS_DIR).is_dir():
+        client.log_artifacts(run_id, str(output.out_dir / PLOTS_DIR), artifact_path=PLOTS_DIR)
+    samples = output.out_dir / SAMPLES_FILE
+    if samples.is_file():
+        rows = read_samples(samples)
+        if rows:
+            client.log_table(run_id, data=pd.DataFrame(rows), artifact_file="samples.json")
+    MlflowLogger(run_id, client).log_metrics(
+        {f"{FINAL_METRIC_PREFIX}{name}": value for name, value in output.metrics.items()}, step=0
+    )
+
+
+@task(
+    name="prepare-data",
+    cache_policy=StageCachePolicy(
+        stage="prepare-data", config_sections=STAGE_SECTIONS["prepare-data"], content_inputs=("source",)
+    ),
+    **STAGE_TASK_OPTIONS,
+)
+def prepare_data_task(config: Config, source: DataSource, context: StageContext) -> StageOutput:
+    """Validate, split and write the preference data (rlhf_core.stages.prepare_data)."""
+    with tracked_stage("prepare-data", config, context) as run:
+        prepare_data.run_prepare_data(config, run.out_dir, source=source.uri)
+        return run.finish(model_dir=None)
+
+
+@task(
+    name="sft",
+    cache_policy=StageCachePolicy(stage="sft", config_sections=STAGE_SECTIONS["sft"], content_inputs=("data",)),
+    **STAGE_TASK_OPTIONS,
+)
+def sft_task(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
+    """Supervised fine-tuning on the chosen replies (rlhf_core.stages.sft)."""
+    with training_slot(), tracked_stage("sft", config, context) as run:
+        result = sft.run_sft(config, data.out_dir, run.out_dir, logger=run.progress_logger())
+        return run.finish(result.model_dir)
+
+
+@task(
+    name="reward",
+    cache_policy=StageCachePolicy(
+        stage="reward", config_sections=STAGE_SECTIONS["reward"], content_inputs=("data", "sft_output")
+    ),
+    **STAGE_TASK_OPTIONS,
+)
+def reward_task(config: Config, data: StageOutput, sft_output: StageOutput, context: StageContext) -> StageOutput:
+    """Reward-model training (rlhf_core.stages.reward)."""
+    with training_slot(), tracked_stage("reward", config, context) as run:
+        result = reward.run_train_rm(
+            config, data.out_dir, sft_output.out_dir, run.out_dir, logger=run.progress_logger()
+        )
+        return run.finish(result.model_dir)
+
+
+@task(
+    name="ppo",
+    cache_policy=StageCachePolicy(
+        stage="ppo",
+        config_sections=STAGE_SECTIONS["ppo"],
+        content_inputs=("data", "sft_output", "reward_output"),
+    ),
+    **STAGE_TASK_OPTIONS,
+)
+def ppo_task(
+    config: Config,
+    data: StageOutput,
+    sft_output: StageOutput,
+    reward_output: StageOutput,
+    context: StageContext,
+) -> StageOutput:
+    """PPO-max (rlhf_core.stages.ppo)."""
+    with training_slot(), tracked_stage("ppo", config, context) as run:
+        result = ppo.run_ppo(
+            config,
+            data.out_dir,
+            sft_output.out_dir,
+            reward_output.out_dir,
+            run.out_dir,
+            logger=run.progress_logger(),
+        )
+        return run.finish(result.model_dir)
+
+
+@task(
+    name="register",
+    cache_policy=NO_CACHE,
+    retries=STAGE_RETRIES,
+    retry_delay_seconds=RETRY_DELAY_SECONDS,
+    retry_condition_fn=is_retryable,
+)
+def register_task(
+    config: Config,
+    reward_output: StageOutput,
+    ppo_output: StageOutput,
+    lineage: dict[str, str],
+    context: StageContext,
+) -> list[RegisteredVersion]:
+    """Register the reward model and the PPO policy (alias `challenger`) with their lineage as tags."""
+    tracking = context.tracking
+    params = {"tracking": config.tracking.model_dump(mode="json")}
+    with stage_run(tracking, "register", params, {"prefect.task_run_id": str(task_run.get_id())}) as run_id:
+        client = tracking.client()
+        tags = {**lineage, PIPELINE_RUN_TAG: tracking.parent_run_id, EVALUATION_STATUS_TAG: EVALUATION_PENDING}
+        reward_version = register(
+            client,
+            tracking.tracking_uri,
+            run_id,
+            config.tracking.reward_model_name,
+            reward_output,
+            {**tags, STAGE_RUN_TAG: str(reward_output.mlflow_run_id)},
+            alias=None,
+        )
+        policy_version = register(
+            client,
+            tracking.tracking_uri,
+            run_id,
+            config.tracking.policy_model_name,
+            ppo_output,
+            {**tags, STAGE_RUN_TAG: str(ppo_output.mlflow_run_id), REWARD_VERSION_TAG: reward_version.version},
+            alias=CHALLENGER_ALIAS,
+        )
+    registered = [reward_version, policy_version]
+    create_markdown_artifact(
+        markdown=registration_markdown(registered), key="register-summary", description="Registered models"
+    )
+    return registered
+
+
+def registration_markdown(registered: list[RegisteredVersion]) -> str:
+    """One line per registered version: name, version, alias, and whether it was an existing one."""
+    lines = ["# Registered models", "", "| model | version | alias | new |", "|---|---|---|---|"]
+    lines += [
+        f"| {item.name} | {item.version} | {item.alias or ''} | {'no' if item.reused else 'yes'} |"
+        for item in registered
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,58 @@
+"""The deployments are defined once in code (flows/deployments.py) and declared again for work pools in
+prefect.yaml: these tests check that the two agree, and that each declared entrypoint loads the flow the
+code serves."""
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.flows import load_flow_from_entrypoint
+
+from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def declared() -> dict[str, dict]:
+    document = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    return {deployment["name"]: deployment for deployment in document["deployments"]}
+
+
+def test_prefect_yaml_declares_exactly_the_served_deployments(declared: dict[str, dict]) -> None:
+    assert set(declared) == {spec.name for spec in DEPLOYMENTS} == {"rlhf-pipeline", "rlhf-retrain"}
+
+
+@pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)
+def test_declared_deployment_matches_the_code(spec: DeploymentSpec, declared: dict[str, dict]) -> None:
+    entry = declared[spec.name]
+    assert entry["entrypoint"] == spec.entrypoint
+    assert entry["description"] == spec.description
+    assert entry["parameters"] == spec.parameters
+    assert tuple(entry["tags"]) == spec.tags
+    assert entry.get("concurrency_limit") == spec.concurrency_limit
+    schedules = [(item["cron"], item["timezone"]) for item in entry.get("schedules", [])]
+    assert schedules == ([(spec.cron, spec.timezone)] if spec.cron else [])
+    assert entry["work_pool"]["name"] == "rlhf-cpu"
+
+
+@pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)
+def test_entrypoint_loads_the_served_flow(spec: DeploymentSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # prefect deploy resolves entrypoints against the project directory
+    loaded = load_flow_from_entrypoint(spec.entrypoint)
+    assert loaded.name == spec.flow.name
+    assert loaded.fn.__name__ == spec.flow.fn.__name__
+    assert Path(inspect.getsourcefile(loaded.fn)).resolve() == Path(inspect.getsourcefile(spec.flow.fn)).resolve()
+
+
+@pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)
+def test_served_deployment_carries_the_spec(spec: DeploymentSpec) -> None:
+    deployment = runner_deployment(spec)
+    assert deployment.name == spec.name
+    assert deployment.parameters == spec.parameters
+    assert deployment.entrypoint == f"{spec.flow.fn.__module__}.{spec.flow.fn.__name__}"
+    crons = [(schedule.schedule.cron, schedule.schedule.timezone) for schedule in deployment.schedules or []]
+    assert crons == ([(spec.cron, spec.timezone)] if spec.cron else [])
+    # The default parameters must be valid input for the flow's form.
+    spec.flow.validate_parameters(spec.parameters)

@@ -1,0 +1,190 @@
+"""The `rlhf-pipeline` flow run in this process against a real Prefect server (fixture `prefect_api`) and
+an embedded SQLite MLflow store: a failing stage fails the flow and its MLflow run, and is not retried
+when retrying cannot help; a crashed training stage is retried and resumes from its checkpoint; a
+deleted stage output is recomputed while unchanged stages stay cached; the training concurrency limit
+lets one training stage hold the machine at a time."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound
+
+from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+from rlhf_core.stages import sft as sft_stage
+from tasks import stages
+from tasks.concurrency import ensure_training_limit, training_slot
+from tasks.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_pairs(path: Path, count: int, identical: bool = False) -> Path:
+    """`count` synthetic preference pairs, each with its own prompt (identical replies make every row invalid)."""
+    rows = [
+        {
+            "prompt": f"Question {index}: what should I know about topic {index % 7}?",
+            "chosen": f"Here is a careful answer about topic {index % 7}, number {index}.",
+            "rejected": f"Here is a careful answer about topic {index % 7}, number {index}." if identical else "No.",
+        }
+        for index in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
+    """A fresh working directory and embedded MLflow store; returns that store's client."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return MlflowClient(uri)
+
+
+def settings(data: Path, stages_wanted: list[Stage]) -> PipelineSettings:
+    return PipelineSettings(
+        config=[str(REPO / "configs" / "tiny.yaml")],
+        data=str(data),
+        stages=stages_wanted,
+        params_file=str(REPO / "params.yaml"),
+    )
+
+
+def task_runs_by_name(flow_run_id) -> dict[str, list]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    grouped: dict[str, list] = {}
+    for run in runs:  # task run names are "<task name>-<3 hex>"
+        grouped.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
+    return grouped
+
+
+def stage_runs(client: MlflowClient, stage: str) -> list:
+    experiment = client.get_experiment_by_name("rlhf-pipeline")
+    return client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{STAGE_TAG}` = '{stage}'",
+        order_by=["attributes.start_time ASC"],
+    )
+
+
+def test_invalid_data_fails_the_flow_and_its_mlflow_runs_without_retrying(
+    project: MlflowClient, tmp_path: Path
+) -> None:
+    data = write_pairs(tmp_path / "identical.jsonl", 40, identical=True)
+    state = rlhf_pipeline(settings(data, list(Stage)), return_state=True)
+
+    assert state.is_failed()
+    assert "DataValidationError" in state.message and "identical_replies=40" in state.message
+    runs = task_runs_by_name(state.state_details.flow_run_id)
+    assert list(runs) == ["prepare-data"]  # nothing after the failed stage ran
+    (prepare,) = runs["prepare-data"]
+    assert prepare.state.is_failed() and prepare.run_count == 1  # a data error is not retried
+
+    (stage_run,) = stage_runs(project, "prepare-data")
+    assert stage_run.info.status == "FAILED"
+    assert stage_run.data.tags[ERROR_TAG].startswith("DataValidationError:")
+    parent = project.get_run(stage_run.data.tags[PARENT_RUN_TAG])
+    assert parent.info.status == "FAILED" and parent.data.tags[ERROR_TAG].startswith("DataValidationError:")
+    assert project.search_registered_models() == []
+
+
+class CrashAtStep:
+    """A metrics logger that forwards to `inner` and raises when `step` is logged: a crash mid-training."""
+
+    def __init__(self, inner, step: int) -> None:
+        self.inner, self.step = inner, step
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step == self.step:
+            raise RuntimeError(f"simulated crash at step {step}")
+        self.inner.log_metrics(metrics, step)
+
+    def log_params(self, params) -> None:
+        self.inner.log_params(params)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_crashed_training_stage_is_retried_and_resumes_from_its_checkpoint(
+    project: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_run_sft = sft_stage.run_sft
+    attempts: list[int] = []
+
+    def crash_once(config, data_dir, out_dir, logger=None):
+        attempts.append(len(attempts) + 1)
+        if len(attempts) == 1:  # tiny: checkpoint_every 2, max_steps 4; crash after the step-2 checkpoint
+            return real_run_sft(config, data_dir, out_dir, logger=CrashAtStep(logger, step=3))
+        return real_run_sft(config, data_dir, out_dir, logger=logger)
+
+    monkeypatch.setattr(sft_stage, "run_sft", crash_once)
+    monkeypatch.setattr(stages.sft_task, "retry_delay_seconds", 0)
+    result = rlhf_pipeline(settings(write_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT]))
+
+    assert attempts == [1, 2]
+    sft_output = result.outputs["sft"]
+    assert sft_output.metrics["resumed_from"] == 2.0 and sft_output.metrics["steps"] == 4.0
+    assert sft_output.out_dir.parent == result.run_dir  # the retry wrote where the crashed attempt did
+
+    failed, finished = stage_runs(project, "sft")
+    assert (failed.info.status, failed.data.tags["prefect.attempt"]) == ("FAILED", "1")
+    assert failed.data.tags[ERROR_TAG] == "RuntimeError: simulated crash at step 3"
+    assert (finished.info.status, finished.data.tags["prefect.attempt"]) == ("FINISHED", "2")
+    assert finished.info.run_id == sft_output.mlflow_run_id
+    progress = project.get_metric_history(finished.info.run_id, "progress")
+    assert max(metric.value for metric in progress) == 1.0
+
+
+def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(project: MlflowClient, tmp_path: Path) -> None:
+    wanted = settings(write_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT])
+    first = rlhf_pipeline(wanted)
+    assert first.outputs["sft"].out_dir.parent == first.run_dir
+
+    again = rlhf_pipeline(wanted, return_state=True)
+    assert {name: run.state.name for name, (run,) in task_runs_by_name(again.state_details.flow_run_id).items()} == {
+        "prepare-data": "Cached",
+        "sft": "Cached",
+    }
+    assert again.result().outputs == first.outputs  # the cached outputs are the first run's
+
+    shutil.rmtree(first.outputs["sft"].model_dir)
+    third = rlhf_pipeline(wanted, return_state=True)
+    assert {name: run.state.name for name, (run,) in task_runs_by_name(third.state_details.flow_run_id).items()} == {
+        "prepare-data": "Cached",
+        "sft": "Completed",
+    }
+    recomputed = third.result().outputs["sft"]
+    assert recomputed.out_dir.parent == third.result().run_dir and recomputed.is_intact()
+
+
+def test_training_slot_admits_one_training_stage_at_a_time(prefect_api: str) -> None:
+    name = "rlhf-training-test-host"
+    with training_slot(name):
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(name)
+        assert (limit.limit, limit.active, limit.active_slots) == (1, True, 1)
+        # A second training stage waits for the slot; here, for one second at most.
+        with pytest.raises(TimeoutError), concurrency(name, occupy=1, timeout_seconds=1, strict=True):
+            pass
+    with concurrency(name, occupy=1, timeout_seconds=30, strict=True):
+        pass  # released: the next one gets it
+
+
+def test_existing_training_limit_is_left_as_the_operator_set_it(prefect_api: str) -> None:
+    name = "rlhf-training-operator-host"
+    with get_client(sync_client=True) as client:
+        with pytest.raises(ObjectNotFound):
+            client.read_global_concurrency_limit_by_name(name)
+        ensure_training_limit(name, slots=3)
+        ensure_training_limit(name, slots=1)
+        assert client.read_global_concurrency_limit_by_name(name).limit == 3

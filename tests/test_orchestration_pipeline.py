@@ -1,0 +1,246 @@
+"""The whole pipeline the way production runs it: real Prefect and MLflow servers (artifacts in S3), the
+deployments served by a separate process (`rlhf serve`), and flow runs created through the Prefect API
+with parameters, as the UI's Run button does.
+
+One module-scoped scenario runs the tiny pipeline three times and every test asserts on it:
+  A. the first run: every stage runs;
+  B. the same settings again: every stage is a cache hit, the registry keeps its versions;
+  C. one PPO parameter changed: PPO and registration run again, the stages before it stay cached,
+     and a new policy version becomes the challenger.
+(A deleted output being recomputed is checked in tests/test_orchestration_flow.py, in-process.)
+"""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import pytest
+from fixtures.servers import log_tail, start_server, stop_server
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from tasks.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
+from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
+from tasks.registry import (
+    CHALLENGER_ALIAS,
+    EVALUATION_STATUS_TAG,
+    PIPELINE_RUN_TAG,
+    REWARD_VERSION_TAG,
+    STAGE_RUN_TAG,
+)
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOYMENT = "rlhf-pipeline/rlhf-pipeline"
+SERVE_START_TIMEOUT_S = 120.0
+FLOW_RUN_TIMEOUT_S = 600
+STAGES = ("prepare-data", "sft", "reward", "ppo", "register")
+
+
+def write_pairs(path: Path, count: int) -> Path:
+    """`count` synthetic preference pairs, each with its own prompt."""
+    import json
+
+    rows = [
+        {
+            "prompt": f"Question {index}: what should I know about topic {index % 7}?",
+            "chosen": f"Here is a careful answer about topic {index % 7}, number {index}.",
+            "rejected": "No.",
+        }
+        for index in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@dataclass
+class PipelineRun:
+    """One flow run of the scenario, as the Prefect server recorded it."""
+
+    flow_run: FlowRun
+    task_states: dict[str, str]  # task name -> final state name ("Completed", "Cached", ...)
+    artifacts: dict[str, object]  # artifact key -> data
+
+
+@dataclass
+class Scenario:
+    project: Path
+    tracking_uri: str
+    runs: dict[str, PipelineRun]
+
+
+def wait_for_deployment(server, deadline_s: float) -> None:
+    """Poll the Prefect API until the serving process has registered the deployment."""
+    deadline = time.monotonic() + deadline_s
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.read_deployment_by_name(DEPLOYMENT)
+                return
+            except ObjectNotFound:
+                pass
+            if server.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`rlhf serve` did not register {DEPLOYMENT}; log:\n{log_tail(server.log_path)}")
+            time.sleep(0.5)
+
+
+def run_and_record(parameters: dict) -> PipelineRun:
+    """Create a flow run of the deployment with `parameters` (as the UI does) and wait for its end."""
+    flow_run = run_deployment(DEPLOYMENT, parameters=parameters, timeout=FLOW_RUN_TIMEOUT_S)
+    with get_client(sync_client=True) as client:
+        in_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        task_runs = client.read_task_runs(flow_run_filter=in_run)
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
+    return PipelineRun(
+        flow_run=flow_run,
+        task_states={run.name.rsplit("-", 1)[0]: run.state.name for run in task_runs},
+        artifacts={artifact.key: artifact.data for artifact in artifacts if artifact.key},
+    )
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlflow_server: str) -> Iterator[Scenario]:
+    project = tmp_path_factory.mktemp("project")
+    data = write_pairs(project / "pairs.jsonl", 160)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_server,
+        "MLFLOW_TRACKING_URI": mlflow_server,
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",  # pick up new flow runs within a second
+    }
+    command = [sys.executable, "-c", "from rlhf_cli.run_commands import serve; serve()"]
+    server = start_server("rlhf serve", command, env, project / "serve.log")
+    settings = {
+        "config": [str(REPO / "configs" / "tiny.yaml")],
+        "data": str(data),
+        "params_file": str(REPO / "params.yaml"),
+        "overrides": ["ppo.steps=2"],  # the tiny overlay's PPO, one iteration shorter
+    }
+    runs: dict[str, PipelineRun] = {}
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+            wait_for_deployment(server, SERVE_START_TIMEOUT_S)
+            runs["A"] = run_and_record({"settings": settings})
+            runs["B"] = run_and_record({"settings": settings})
+            runs["C"] = run_and_record({"settings": {**settings, "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4"]}})
+        yield Scenario(project=project, tracking_uri=mlflow_server, runs=runs)
+    finally:
+        stop_server(server)
+
+
+def parent_run(client: MlflowClient, run: PipelineRun):
+    experiment = client.get_experiment_by_name("rlhf-pipeline")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{FLOW_RUN_ID_TAG}` = '{run.flow_run.id}' and tags.`{ROLE_TAG}` = 'pipeline'",
+    )
+    return parent
+
+
+def child_runs(client: MlflowClient, parent) -> dict[str, object]:
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'"
+    )
+    return {child.data.tags[STAGE_TAG]: child for child in children}
+
+
+def test_flow_run_created_through_the_api_completes_every_stage(scenario: Scenario) -> None:
+    first = scenario.runs["A"]
+    assert first.flow_run.state.is_completed(), first.flow_run.state.message
+    assert first.flow_run.parameters["settings"]["data"].endswith("pairs.jsonl")
+    assert first.task_states == {stage: "Completed" for stage in STAGES}
+
+
+def test_unchanged_rerun_is_all_cache_hits(scenario: Scenario) -> None:
+    second = scenario.runs["B"]
+    assert second.flow_run.state.is_completed(), second.flow_run.state.message
+    cached = {stage: "Cached" for stage in STAGES if stage != "register"}
+    assert second.task_states == {**cached, "register": "Completed"}
+
+
+def test_changed_ppo_parameter_reruns_ppo_and_what_follows_only(scenario: Scenario) -> None:
+    third = scenario.runs["C"]
+    assert third.flow_run.state.is_completed(), third.flow_run.state.message
+    assert third.task_states == {
+        "prepare-data": "Cached",
+        "sft": "Cached",
+        "reward": "Cached",
+        "ppo": "Completed",
+        "register": "Completed",
+    }
+
+
+def test_mlflow_holds_a_parent_run_with_lineage_and_nested_stage_runs(scenario: Scenario) -> None:
+    client = MlflowClient(scenario.tracking_uri)
+    parent = parent_run(client, scenario.runs["A"])
+    assert parent.info.status == "FINISHED"
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tags = parent.data.tags
+    assert tags[GIT_COMMIT_TAG] == commit
+    assert len(tags[DEPENDENCIES_TAG]) == 64 and len(tags[CONFIG_TAG]) == 64 and len(tags[DATA_VERSION_TAG]) == 64
+    assert parent.data.params["ppo.clip_eps"] == "0.2" and parent.data.params["model.kind"] == "tiny"
+
+    children = child_runs(client, parent)
+    assert set(children) == set(STAGES)
+    assert {child.info.status for child in children.values()} == {"FINISHED"}
+    assert children["sft"].data.params["sft.max_steps"] == "4"
+    ppo_history = client.get_metric_history(children["ppo"].info.run_id, "progress")
+    assert max(metric.step for metric in ppo_history) > 1  # stepped, not one final value
+
+    def artifact_paths(stage: str, path: str = "") -> set[str]:
+        return {item.path for item in client.list_artifacts(children[stage].info.run_id, path)}
+
+    assert "data_report.json" in artifact_paths("prepare-data")
+    assert "plots/reward_margin_hist.png" in artifact_paths("reward", "plots")
+    assert "samples.json" in artifact_paths("ppo") and artifact_paths("ppo", "plots")
+
+
+def test_policy_challenger_is_registered_with_lineage_and_answers_chat(scenario: Scenario) -> None:
+    client = MlflowClient(scenario.tracking_uri)
+    first_parent, last_parent = parent_run(client, scenario.runs["A"]), parent_run(client, scenario.runs["C"])
+    versions = sorted(client.search_model_versions("name = 'rlhf-policy'"), key=lambda version: int(version.version))
+    assert [str(version.version) for version in versions] == ["1", "2"]  # run B added none
+    first, challenger = versions[0], client.get_model_version_by_alias("rlhf-policy", CHALLENGER_ALIAS)
+    assert str(challenger.version) == "2"
+
+    assert first.tags[PIPELINE_RUN_TAG] == first_parent.info.run_id
+    assert challenger.tags[PIPELINE_RUN_TAG] == last_parent.info.run_id
+    assert challenger.tags[DATA_VERSION_TAG] == last_parent.data.tags[DATA_VERSION_TAG]
+    assert challenger.tags[EVALUATION_STATUS_TAG] == "pending"
+    assert challenger.tags[STAGE_RUN_TAG] == last_parent.data.tags["stage.ppo.run_id"]
+    reward = client.get_model_version("rlhf-reward", challenger.tags[REWARD_VERSION_TAG])
+    assert reward.tags[DATA_VERSION_TAG] == challenger.tags[DATA_VERSION_TAG]
+
+    mlflow.set_tracking_uri(scenario.tracking_uri)
+    chat = mlflow.pyfunc.load_model(f"models:/rlhf-policy@{CHALLENGER_ALIAS}")
+    reply = chat.predict({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6})[0]
+    assert reply["object"] == "chat.completion"
+    assert isinstance(reply["choices"][0]["message"]["content"], str)
+    assert "<|im_end|>" not in reply["choices"][0]["message"]["content"]
+    assert 1 <= reply["usage"]["completion_tokens"] <= 6
+
+
+def test_prefect_artifacts_summarise_each_stage(scenario: Scenario) -> None:
+    artifacts = scenario.runs["A"].artifacts
+    for stage in ("prepare-data", "sft", "reward", "ppo"):
+        assert f"# Stage `{stage}`" in artifacts[f"{stage}-summary"]
+    assert "rlhf-policy" in artifacts["register-summary"]
+    samples = artifacts["ppo-samples"]
+    assert "response" in (samples if isinstance(samples, str) else str(samples))
+    for stage in ("sft", "reward", "ppo"):
+        assert float(artifacts[f"{stage}-progress"]) == 100.0

@@ -1,0 +1,129 @@
+"""tasks/registry.py against an embedded SQLite tracking store: the policy is registered as a chat model
+that stops at the end-of-turn token, the reward model as a scorer, versions are reused for unchanged
+content, and the `challenger` alias follows the newest policy."""
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from rlhf_core.config import ModelConfig
+from rlhf_core.models.base import load_base_model
+from rlhf_core.models.chat import encode_conversation, end_of_turn_id
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.saving import save_causal_lm
+from tasks.outputs import StageOutput, output_sha256
+from tasks.registry import CHALLENGER_ALIAS, CONTENT_TAG, register
+from tasks.tracking import get_or_create_experiment, local_artifact_location
+
+pytestmark = pytest.mark.slow
+
+CHAT_REQUEST = {"messages": [{"role": "user", "content": "Hello, who are you?"}], "max_tokens": 8}
+
+
+def eager_end_of_turn_policy():
+    """The tiny model rewired so that its most likely next token is ALWAYS the end-of-turn token.
+
+    Every block's output projections are zeroed, so the last hidden state is the current token's embedding;
+    the final norm keeps only dimension 0, where every embedding is positive and the end-of-turn row is
+    10^5 times larger: the logit of end-of-turn dominates whatever the input.
+    """
+    model, tokenizer = load_base_model(ModelConfig(kind="tiny"))
+    eot = end_of_turn_id(tokenizer)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings[:, 0] = 0.01
+        embeddings[eot, 0] = 1000.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model, tokenizer
+
+
+def stage_output(stage: str, out_dir: Path) -> StageOutput:
+    (out_dir / "metrics.json").write_text("{}")
+    model_dir = out_dir / "model"
+    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowClient, str, str]:
+    """(client, tracking URI, run id) of an embedded store; the run plays the pipeline's register stage."""
+    root = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment_id = get_or_create_experiment(client, "registry-tests", local_artifact_location(uri, root))
+    return client, uri, client.create_run(experiment_id).info.run_id
+
+
+@pytest.fixture(scope="module")
+def policy_output(tmp_path_factory: pytest.TempPathFactory) -> StageOutput:
+    out_dir = tmp_path_factory.mktemp("ppo")
+    save_causal_lm(*eager_end_of_turn_policy(), out_dir / "model")
+    return stage_output("ppo", out_dir)
+
+
+def test_policy_is_a_chat_model_that_stops_at_end_of_turn(store, policy_output: StageOutput) -> None:
+    client, uri, run_id = store
+    registered = register(client, uri, run_id, "policy-a", policy_output, {"data.version": "v1"}, CHALLENGER_ALIAS)
+
+    assert (registered.version, registered.alias, registered.reused) == ("1", CHALLENGER_ALIAS, False)
+    version = client.get_model_version_by_alias("policy-a", CHALLENGER_ALIAS)
+    assert str(version.version) == "1" and version.run_id == run_id
+    assert version.tags == {CONTENT_TAG: policy_output.sha256, "data.version": "v1"}
+
+    mlflow.set_tracking_uri(uri)
+    chat = mlflow.pyfunc.load_model(registered.uri)
+    assert chat.metadata.metadata["task"] == "llm/v1/chat"
+    reply = chat.predict(CHAT_REQUEST)[0]
+    assert reply["object"] == "chat.completion"
+    choice = reply["choices"][0]
+    # The first generated token is <|im_end|>: generation stops there and the reply is empty.
+    assert choice["message"] == {"role": "assistant", "content": ""}
+    assert choice["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] <= 1
+
+
+def test_unchanged_content_reuses_the_version_and_new_content_moves_the_alias(
+    store, policy_output: StageOutput, tmp_path: Path
+) -> None:
+    client, uri, run_id = store
+    first = register(client, uri, run_id, "policy-b", policy_output, {}, CHALLENGER_ALIAS)
+    again = register(client, uri, run_id, "policy-b", policy_output, {"data.version": "v2"}, CHALLENGER_ALIAS)
+    assert (again.version, again.reused) == (first.version, True)
+    assert "data.version" not in client.get_model_version("policy-b", first.version).tags  # lineage kept
+
+    model, tokenizer = load_base_model(ModelConfig(kind="tiny"))
+    save_causal_lm(model, tokenizer, tmp_path / "model")
+    newer = register(client, uri, run_id, "policy-b", stage_output("ppo", tmp_path), {}, CHALLENGER_ALIAS)
+    assert (newer.version, newer.reused) == (str(int(first.version) + 1), False)
+    assert str(client.get_model_version_by_alias("policy-b", CHALLENGER_ALIAS).version) == newer.version
+
+
+def test_reward_model_scores_like_the_reward_model_itself(store, tmp_path: Path) -> None:
+    client, uri, run_id = store
+    lm, tokenizer = load_base_model(ModelConfig(kind="tiny"))
+    reward_model = RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), seed=3).eval()
+    reward_model.save_pretrained(tmp_path / "model", tokenizer)
+    registered = register(client, uri, run_id, "reward-a", stage_output("reward", tmp_path), {}, alias=None)
+    assert registered.uri == "models:/reward-a/1"
+
+    requests = [
+        {"messages": [{"role": "user", "content": "Is the sky blue?"}], "reply": "Yes, on a clear day."},
+        {"messages": [{"role": "user", "content": "Is the sky blue?"}], "reply": "No."},
+    ]
+    mlflow.set_tracking_uri(uri)
+    scores = mlflow.pyfunc.load_model(registered.uri).predict(requests)
+
+    expected = []
+    with torch.no_grad():
+        for request in requests:
+            encoded = encode_conversation(tokenizer, request["messages"], request["reply"])
+            ids = torch.tensor([encoded.input_ids])
+            expected.append(float(reward_model(ids, torch.ones_like(ids), encoded.reply_start).scores[0]))
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert scores[0] != pytest.approx(scores[1])
