@@ -16,7 +16,11 @@ from typing import Annotated, Optional
 import typer
 import yaml
 
-from rlhf_core.config import Config, ConfigError, load_config
+from rlhf_cli import ppo_command, run_commands, stage_commands
+from rlhf_cli.data_commands import data_app
+from rlhf_cli.eval_command import eval_command
+from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
+from rlhf_core.config import ConfigError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -26,27 +30,6 @@ app = typer.Typer(
 )
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
 app.add_typer(config_app, name="config")
-
-ConfigOption = Annotated[
-    Optional[list[Path]],
-    typer.Option("--config", "-c", help="Overlay YAML merged over params.yaml (repeatable)."),
-]
-SetOption = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", "-s", help="Override one value: key.path=value (repeatable)."),
-]
-ParamsOption = Annotated[Path, typer.Option("--params", help="The base parameter file.")]
-OutOption = Annotated[Optional[Path], typer.Option("--out", help="Output directory of the stage.")]
-
-
-def resolve_config(params: Path, config: list[Path] | None, overrides: list[str] | None) -> Config:
-    """Load params.yaml with overlays and overrides; every subcommand starts here."""
-    return load_config(params, overlays=config or [], overrides=overrides or [])
-
-
-def stage_dir(out: Path | None, stage: str) -> Path:
-    """Where a stage writes: `--out` if given, else `artifacts/<stage>/`."""
-    return out if out is not None else Path("artifacts") / stage
 
 
 @config_app.command("show")
@@ -63,7 +46,7 @@ def config_show(
 @app.command("prepare-data")
 def prepare_data(
     data: Annotated[
-        Optional[str], typer.Option("--data", help="A local preference file or a Hub dataset id.")
+        Optional[str], typer.Option("--data", help="A local preference file or directory, or a Hub dataset id.")
     ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
@@ -78,6 +61,16 @@ def prepare_data(
     typer.echo(report.summary())
 
 
+app.command("sft")(stage_commands.sft)
+app.command("train-rm")(stage_commands.train_rm)
+app.command("score-pairs")(stage_commands.score_pairs)
+app.command("ppo")(ppo_command.ppo)
+app.command("eval")(eval_command)
+app.command("run")(run_commands.run)
+app.command("serve")(run_commands.serve)
+app.add_typer(data_app, name="data")
+
+
 def main() -> None:
     """Console entry point: known errors become one line on stderr and a non-zero exit."""
     try:
@@ -88,3 +81,4 @@ def main() -> None:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"rlhf: error: {message}", file=sys.stderr)
         raise SystemExit(1 if not isinstance(err, ConfigError) else 2) from None
+
