@@ -1,4 +1,4 @@
-"""Whole-directory atomic writes: an output directory is either complete or absent, never half-written.
+"""Atomic writes: an output directory (or file) is either complete or absent, never half-written.
 
 Later stages, DVC and the caches treat an existing output directory as finished, so a crash or an error
 half way through must never leave one behind, and must never damage the previous complete output.
@@ -46,3 +46,13 @@ def _swap_into_place(new_dir: Path, out_dir: Path) -> None:
         os.replace(old_dir, out_dir)
         raise
     shutil.rmtree(old_dir)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and `os.replace`: readers see the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+    return path

@@ -16,12 +16,12 @@ Files are written whole to a temporary file and moved into place (`write_text`).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.generation import Reply
 from rlhf_core.evaluation.judges.verdicts import EvalPair, Judgement, Verdict
 from rlhf_core.evaluation.prompts import EvalPrompt
@@ -36,18 +36,9 @@ class GeneratedPair:
     tokens_b: int
 
 
-def write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically (temporary file, then os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-    return path
-
-
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
     """Write `rows` as JSON lines to `path` atomically."""
-    return write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

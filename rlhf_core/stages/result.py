@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlhf_core.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.json"
 
@@ -21,11 +22,7 @@ class StageResult:
 
 def write_metrics(out_dir: Path, metrics: dict[str, float]) -> Path:
     """Write `out_dir/metrics.json` atomically: its presence marks the stage complete."""
-    path = Path(out_dir) / METRICS_FILE
-    temp = path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
-    temp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temp, path)
-    return path
+    return atomic_write_text(Path(out_dir) / METRICS_FILE, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
 def read_metrics(out_dir: Path) -> dict[str, float]:

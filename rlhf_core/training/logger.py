@@ -7,9 +7,10 @@ implement `RewindableLogger.truncate_after`, which a resumed run calls so that t
 """
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
+
+from rlhf_core.atomic import atomic_write_text
 
 
 @runtime_checkable
@@ -65,13 +66,13 @@ class JsonlLogger:
     def log_params(self, params: dict[str, Any]) -> None:
         merged = json.loads(self.params_path.read_text()) if self.params_path.exists() else {}
         merged.update(params)
-        _write_text_atomically(self.params_path, json.dumps(merged, indent=2, sort_keys=True, default=str))
+        atomic_write_text(self.params_path, json.dumps(merged, indent=2, sort_keys=True, default=str))
 
     def truncate_after(self, step: int) -> None:
         """Keep only complete lines whose step is <= `step` (the file is rewritten atomically)."""
         self._file.close()
         kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= step]
-        _write_text_atomically(self.path, "".join(line + "\n" for line in kept))
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self._file = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
@@ -110,9 +111,3 @@ def _step_of(line: str) -> float:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return float("inf")
 
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file next to `path`, then `os.replace` it, so readers never see half a file."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
