@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -101,6 +101,40 @@ class ModelConfig(Section):
 
 
 # --------------------------------------------------------------------------------------------------
+# LoRA adapters (SFT, reward model, PPO policy and critic)
+
+LLAMA_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """LoRA (Hu et al., 2021): train a low-rank update W + (alpha / r) * B A of chosen Linear layers.
+
+    With `enabled`, every base weight is frozen and only the adapters (and a scalar head) train; with
+    the stage's `trainable_top_layers: N` the adapters go into the top N blocks only. Saved models are
+    always plain: the adapters are merged into the weights on export (rlhf_core/models/lora.py).
+    """
+
+    enabled: bool = False
+    r: int = Field(8, ge=1, description="Rank of the update B A.")
+    alpha: float = Field(16.0, gt=0, description="The update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: tuple[str, ...] = Field(
+        LLAMA_LINEAR_LAYERS,
+        min_length=1,
+        description="Names of the Linear layers inside each transformer block that get adapters.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _distinct_layer_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not name or "." in name for name in names):
+            raise ValueError("expected plain layer names such as q_proj (no dots, not empty)")
+        if len(set(names)) != len(names):
+            raise ValueError("a layer name is listed twice")
+        return names
+
+
+# --------------------------------------------------------------------------------------------------
 # training stages
 
 
@@ -117,8 +151,12 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     max_length: int = Field(384, gt=8, description="Tokens per sequence; dialogues cut from the left.")
     trainable_top_layers: int | None = Field(
-        None, ge=1, description="Train only the top N transformer blocks (+ final norm, heads)."
+        None,
+        ge=1,
+        description="Train only the top N transformer blocks (+ final norm, heads); with lora.enabled, "
+        "put the adapters into the top N blocks only.",
     )
+    lora: LoraConfig = LoraConfig()
     gradient_checkpointing: bool = False
     eval_every: int = Field(50, ge=1, description="Optimizer steps between periodic validations.")
     eval_batches: int = Field(8, ge=1, description="Micro-batches in a periodic validation.")
@@ -250,6 +288,10 @@ class PPOConfig(Section):
     )
     max_prompt_tokens: int = Field(256, gt=0)
     trainable_top_layers: int | None = Field(None, ge=1)
+    lora: LoraConfig = Field(LoraConfig(), description="Adapters for the policy and the critic alike.")
+    frozen_models_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="dtype of the frozen reference and reward models; null: model.dtype."
+    )
     rollout: GenerationConfig = GenerationConfig()
     guard: CollapseGuardConfig = CollapseGuardConfig()
     eval_every: int = Field(10, ge=1)
@@ -304,13 +346,57 @@ class TrackingConfig(Section):
     reward_model_name: str = "rlhf-reward"
 
 
-class DistributedConfig(Section):
-    """Scale-out with DeepSpeed ZeRO; one process by default."""
+class PromotionConfig(Section):
+    """The gate a `challenger` policy must pass to become the `champion` (the rlhf-promote flow)."""
 
-    num_processes: int = Field(1, ge=1)
+    min_win_minus_loss_low: float = Field(
+        0.0,
+        ge=-1,
+        lt=1,
+        description="The lower end of the 95% bootstrap interval of win minus loss must exceed this.",
+    )
+    max_kl: float | None = Field(
+        0.3, gt=0, description="Bound on the PPO policy's per-token KL to the reference (val/kl_best); null: none."
+    )
+    require_no_collapse: bool = Field(True, description="Refuse a policy whose PPO run the collapse guard stopped.")
+    judge_reward_model: str | None = Field(
+        None,
+        description="The judging reward model: a reward-model directory or models:/ URI; null: the "
+        "challenger's own (an in-sample judge, which the report flags).",
+    )
+
+
+class DistributedConfig(Section):
+    """Scale-out with DeepSpeed ZeRO; one process by default (rlhf_core/distributed, infra/deepspeed/).
+
+    With `num_processes > 1` the SFT, reward-model and PPO stages run under the `deepspeed` launcher,
+    `num_processes` ranks on each of `num_nodes` machines; the batch sizes of each stage are per rank.
+    """
+
+    num_processes: int = Field(1, ge=1, description="Processes (GPUs) per node; 1 runs in-process.")
+    num_nodes: int = Field(1, ge=1, description="Machines; more than 1 needs `hostfile`.")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile: one `host slots=N` line per node.")
+    master_addr: str | None = Field(None, description="Rank 0's address; null: 127.0.0.1 or the first host.")
+    master_port: int = Field(29500, ge=1024, le=65535, description="Rank 0's rendezvous port.")
     zero_stage: Literal[0, 1, 2, 3] = 2
-    offload_optimizer: bool = False
+    offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO 2/3).")
     bf16: bool = Field(False, description="bf16 autocast on CUDA; CPU always trains in fp32.")
+    config_template: str | None = Field(
+        None, description="A DeepSpeed JSON template; null: infra/deepspeed/zero2.json or zero3.json."
+    )
+
+    @model_validator(mode="after")
+    def _launch_is_possible(self) -> DistributedConfig:
+        if self.num_nodes > 1 and not self.hostfile:
+            raise ValueError("num_nodes > 1 needs a hostfile naming the nodes (see infra/deepspeed/README.md)")
+        if self.offload_optimizer and self.zero_stage < 2:
+            raise ValueError("offload_optimizer needs zero_stage 2 or 3")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: processes per node times nodes."""
+        return self.num_processes * self.num_nodes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,6 +414,7 @@ class Config(Section):
     ppo: PPOConfig = PPOConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     tracking: TrackingConfig = TrackingConfig()
+    promotion: PromotionConfig = PromotionConfig()
     distributed: DistributedConfig = DistributedConfig()
 
     def section_hash(self, name: str) -> str:

@@ -71,8 +71,10 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
 
     rerun = run_ppo(config, inputs.data_dir, inputs.sft_dir, inputs.rm_dir, out)  # resumes at the end
     assert history(out) == rows
-    assert {k: v for k, v in rerun.metrics.items() if k != "wall_time_s"} == {
-        k: v for k, v in metrics.items() if k != "wall_time_s"
+    assert metrics["resumed_from"] == 0 and rerun.metrics["resumed_from"] == total
+    invocation = {"wall_time_s", "resumed_from"}  # what differs between the two invocations
+    assert {k: v for k, v in rerun.metrics.items() if k not in invocation} == {
+        k: v for k, v in metrics.items() if k not in invocation
     }
 
 

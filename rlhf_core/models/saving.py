@@ -11,6 +11,9 @@ A reward model or critic is a decoder backbone plus a scalar head. Its directory
     head_config.json                   what kind of model it is, the head's shape, the end-of-turn id, and
                                        whether an LM head is kept ("none", "tied" or "separate")
 
+A model trained with LoRA adapters is saved with its adapters merged into its weights
+(`lora.merged_for_export`): every saved directory is a plain model that loads without peft.
+
 Every save writes into a temporary sibling directory and moves it into place with os.replace, so a crash
 mid-save leaves either the previous directory or nothing, never something that looks complete.
 """
@@ -30,6 +33,7 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.chat import stop_generation_at_end_of_turn
 from rlhf_core.models.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
+from rlhf_core.models.lora import merged_for_export
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"
@@ -56,8 +60,10 @@ class HeadConfig:
 def write_causal_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
     """Write model (safetensors), tokenizer with chat template, and an end-of-turn-stopping generation config.
 
-    Not atomic on its own: call it inside `atomic_directory`, or use `save_causal_lm`.
+    Not atomic on its own: call it inside `atomic_directory`, or use `save_causal_lm`. LoRA adapters are
+    merged into the saved weights.
     """
+    model = merged_for_export(model)
     stop_generation_at_end_of_turn(model, tokenizer)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -88,7 +94,7 @@ def save_scalar_head_model(
             f"lm_head must be given exactly when head_config.lm_head is 'separate' (it is {head_config.lm_head!r})"
         )
     with atomic_directory(out_dir) as temp_dir:
-        backbone.save_pretrained(temp_dir)
+        merged_for_export(backbone).save_pretrained(temp_dir)
         tokenizer.save_pretrained(temp_dir)
         _save_linear(head, temp_dir / HEAD_WEIGHTS_FILE)
         if lm_head is not None:

@@ -5,12 +5,18 @@ deviation rather than per-batch ones, so a batch of uniformly good answers is no
 zero. The statistics here are exact: after any sequence of ``update`` calls they equal
 ``numpy.mean`` / ``numpy.var`` (population variance, ddof=0) of everything seen, because
 batches are combined with the parallel merge of Chan, Golub and LeVeque (1979).
+
+With several data-parallel ranks (rlhf_core/distributed) ``update`` is a collective: every rank
+gathers every rank's batch moments and merges them in rank order, so all ranks hold the statistics
+of the GLOBAL rollout batch, the same as one process that saw all of it.
 """
 
 import math
 
 import torch
 from torch import Tensor
+
+from rlhf_core.distributed.collectives import gather_moments
 
 
 def tensor_moments(x: Tensor) -> tuple[int, float, float]:
@@ -46,8 +52,12 @@ class RunningMeanStd:
         return math.sqrt(self.var + self.eps)
 
     def update(self, x: Tensor) -> None:
-        """Fold every entry of ``x`` (any shape, e.g. scores ``[B]``) into the statistics."""
-        self.merge(*tensor_moments(x))
+        """Fold every entry of ``x`` (any shape, e.g. scores ``[B]``) into the statistics.
+
+        Every rank must call it (one process: just this ``x``); all ranks' entries are folded in.
+        """
+        for moments in gather_moments(tensor_moments(x)):
+            self.merge(*moments)
 
     def merge(self, count: int, mean: float, var: float) -> None:
         """Combine with the statistics ``(count, mean, population var)`` of other values.

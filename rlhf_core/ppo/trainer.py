@@ -24,10 +24,21 @@ bound is saved to `<checkpoint_dir>/best/`: that, not the last policy, is the ru
 
 Per-phase wall times (`time/generate_s`, `time/score_s`, `time/train_s`, `time/validate_s`) are
 logged every iteration so a benchmark can split the cost.
+
+Several ranks (a stage started by the `deepspeed` launcher, rlhf_core/distributed): each rank rolls
+out its shard of every global prompt batch (`rollout_batch_size` prompts per rank) and learns from it
+with mini-batches of `mini_batch_size` rows per rank. What spans the batch is reduced across ranks:
+the running score statistics (`RunningMeanStd.update`), advantage whitening (over the global
+mini-batch), the token counts that normalise every loss, the PPO-ptx shard and the logged update
+metrics; the rollout monitors (and so the collapse guard) are computed on the gathered global
+experience, and validation runs on every rank alike. Policy and critic are DeepSpeed engines
+(`distributed.ppo_engines`); under ZeRO-3 the policy's weights are gathered ONCE around each batched
+`generate` call (`distributed.zero`), not once per generated token. Only rank 0 logs and saves.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -35,7 +46,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +56,18 @@ from torch.optim.lr_scheduler import LRScheduler
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import PPOConfig
+from rlhf_core.config import DistributedConfig, PPOConfig
+from rlhf_core.distributed.collectives import (
+    gather_rows,
+    global_masked_mean_var,
+    group_size,
+    sum_across_ranks,
+    sum_counts,
+    sum_metrics,
+)
+from rlhf_core.distributed.context import rank_context
+from rlhf_core.distributed.sharding import shard
+from rlhf_core.distributed.zero import gathered_for_generation, gathered_parameters
 from rlhf_core.models.chat import (
     EncodedConversation,
     Messages,
@@ -53,6 +75,7 @@ from rlhf_core.models.chat import (
     encode_prompt,
 )
 from rlhf_core.models.heads import Critic, final_hidden_states
+from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages
 from rlhf_core.ppo.experience import Experience
@@ -91,14 +114,18 @@ from rlhf_core.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rlhf_core.training.freezing import freeze_all_but_top_layers
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop import seed_everything
 from rlhf_core.training.precision import autocast
 from rlhf_core.training.schedules import build_scheduler
 
+if TYPE_CHECKING:
+    from rlhf_core.distributed.ppo_engines import PPOEngines
+
+log = logging.getLogger(__name__)
 BEST_DIR = "best"
 SAMPLES_PER_TABLE = 4
+WHITENING_EPS = 1e-8  # as in rlhf_core.ppo.masked.masked_whiten
 
 # --------------------------------------------------------------------------------------------------
 # pure compositions of the math (what the wiring test checks switch by switch)
@@ -172,13 +199,26 @@ def assemble_experience(
     )
 
 
+def whiten_across_ranks(advantages: Tensor, mask: Tensor) -> Tensor:
+    """`whiten_advantages` over the GLOBAL mini-batch: every rank's rows of it (a collective).
+
+    One process: exactly `whiten_advantages`. Several ranks: the mean and unbiased variance of the real
+    entries of all ranks' rows (`collectives.global_masked_mean_var`), applied to this rank's rows.
+    """
+    if group_size() == 1:
+        return whiten_advantages(advantages, mask)
+    mean, var = global_masked_mean_var(advantages, mask)
+    return torch.where(mask.bool(), (advantages - mean) * torch.rsqrt(var + WHITENING_EPS), 0.0)
+
+
 def loss_advantages(advantages: Tensor, mask: Tensor, config: PPOConfig) -> Tensor:
     """The advantages the policy loss uses: whitened over the mini-batch, then clipped (paper 5.3.1).
 
-    ``[B, T]`` -> ``[B, T]`` for the whole mini-batch, before it is split into micro-batches.
+    ``[B, T]`` -> ``[B, T]`` for the whole mini-batch, before it is split into micro-batches. With
+    several ranks the mini-batch is the union of their rows (`whiten_across_ranks`).
     """
     if config.advantage_normalization:
-        advantages = whiten_advantages(advantages, mask)
+        advantages = whiten_across_ranks(advantages, mask)
     if config.advantage_clip is not None:
         advantages = clip_advantages(advantages, config.advantage_clip)
     return advantages
@@ -333,12 +373,43 @@ def _pad_columns(tensor: Tensor, width: int) -> Tensor:
     return F.pad(tensor, (0, width - tensor.shape[1]))
 
 
+def gather_experience(experience: Experience, pad_id: int) -> Experience:
+    """The rollout of all ranks, rows in rank order (one process: `experience` itself; a collective).
+
+    Prompts stay left-padded and responses right-padded (with the pad id; other fields with 0), so the
+    result is a valid `Experience`: what the monitors and the collapse guard read, identical on every rank.
+    """
+    if group_size() == 1:
+        return experience
+    return Experience(
+        prompt_ids=gather_rows(experience.prompt_ids, fill=pad_id, pad_left=True),
+        prompt_mask=gather_rows(experience.prompt_mask, pad_left=True),
+        response_ids=gather_rows(experience.response_ids, fill=pad_id),
+        response_mask=gather_rows(experience.response_mask),
+        finished=gather_rows(experience.finished),
+        logprobs=gather_rows(experience.logprobs),
+        ref_logprobs=gather_rows(experience.ref_logprobs),
+        entropy=gather_rows(experience.entropy),
+        values=gather_rows(experience.values),
+        scores=gather_rows(experience.scores),
+        processed_scores=gather_rows(experience.processed_scores),
+        kl=gather_rows(experience.kl),
+        rewards=gather_rows(experience.rewards),
+        advantages=gather_rows(experience.advantages),
+        returns=gather_rows(experience.returns),
+    )
+
+
 class PPOTrainer:
     """Holds the models, the optimizer and the run's state; each method is one phase of an iteration.
 
     Its state (`state_dict`) is everything besides weights, optimizer and RNG that an exact resume
     needs: running score statistics, the guard's baseline, the positions in the prompt and SFT
     streams, and the best validation so far.
+
+    In one process `optimizer` (AdamW, a "policy" and a "critic" group) and `scheduler` update the
+    models; in a process started by the `deepspeed` launcher, `engines` (one DeepSpeed engine per
+    trained model, configured by `distributed`) do, and `optimizer` and `scheduler` do not exist.
     """
 
     def __init__(
@@ -349,6 +420,7 @@ class PPOTrainer:
         config: PPOConfig,
         seed: int,
         bf16: bool = False,
+        distributed: DistributedConfig | None = None,
     ) -> None:
         self.models = models
         self.tokenizer = tokenizer
@@ -360,13 +432,27 @@ class PPOTrainer:
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer)
         models.reference.requires_grad_(False).eval()
-        freeze_all_but_top_layers(models.policy, config.trainable_top_layers)
-        freeze_all_but_top_layers(models.critic, config.trainable_top_layers)
-        self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
-        self.optimizer = build_ppo_optimizer(models.policy, models.critic, config)
-        self.scheduler: LRScheduler = build_scheduler(
-            self.optimizer, "warmup_constant", self.total_steps, 0.0, 1.0
+        make_trainable(models.policy, config.trainable_top_layers, config.lora, seed)
+        make_trainable(
+            models.critic, config.trainable_top_layers, config.lora, seed, heads=[models.critic.value_head]
         )
+        self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
+        self.context = rank_context()
+        self.engines: PPOEngines | None = None
+        if self.context.is_distributed:
+            if distributed is None:
+                rank, world = self.context.rank, self.context.world_size
+                raise ValueError(f"this process is rank {rank} of {world}: pass `distributed`")
+            from rlhf_core.distributed.ppo_engines import PPOEngines  # imports deepspeed
+
+            self.engines = PPOEngines(
+                models.policy, models.critic, config, distributed, self.context, self.total_steps, bf16
+            )
+        else:
+            self.optimizer = build_ppo_optimizer(models.policy, models.critic, config)
+            self.scheduler: LRScheduler = build_scheduler(
+                self.optimizer, "warmup_constant", self.total_steps, 0.0, 1.0
+            )
         self.prompt_plan = self._prompt_plan()
         self.ptx_plan = self._ptx_plan()
         self.eval_prompt_ids = sorted(  # by length: validation batches need little padding
@@ -392,12 +478,14 @@ class PPOTrainer:
         return self.config.critic_pretrain_steps + self.config.steps
 
     def _prompt_plan(self) -> BatchPlan:
-        if len(self.data.prompts) < self.config.rollout_batch_size:
+        """The global prompt stream: `rollout_batch_size` prompts per rank and iteration."""
+        global_batch = self.config.rollout_batch_size * self.context.world_size
+        if len(self.data.prompts) < global_batch:
             raise ValueError(
-                f"PPO needs at least rollout_batch_size={self.config.rollout_batch_size} training prompts, "
-                f"got {len(self.data.prompts)}"
+                f"PPO needs at least rollout_batch_size={self.config.rollout_batch_size} training prompts "
+                f"per rank ({self.context.world_size} ranks), got {len(self.data.prompts)}"
             )
-        return fixed_size_plan(len(self.data.prompts), self.seed, self.config.rollout_batch_size, 1)
+        return fixed_size_plan(len(self.data.prompts), self.seed, global_batch, 1)
 
     def _ptx_plan(self) -> BatchPlan | None:
         if self.config.ptx_coef == 0:
@@ -407,13 +495,17 @@ class PPOTrainer:
                 f"PPO-ptx (ptx_coef={self.config.ptx_coef:g}) needs at least mini_batch_size="
                 f"{self.config.mini_batch_size} SFT examples, got {len(self.data.ptx_examples)}"
             )
-        accumulation = self.config.mini_batch_size // self.config.micro_batch_size
+        accumulation = self.config.mini_batch_size // self.config.micro_batch_size * self.context.world_size
         return fixed_size_plan(
             len(self.data.ptx_examples), self.seed + 1, self.config.micro_batch_size, accumulation
         )
 
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.bf16)
+
+    def _whole_policy(self) -> AbstractContextManager[None]:
+        """For sampling: a ZeRO-3 policy gathered once for the block (else nothing to do)."""
+        return gathered_for_generation(self.engines.engines["policy"] if self.engines is not None else None)
 
     # ---- rollout ---------------------------------------------------------------------------------
 
@@ -423,7 +515,15 @@ class PPOTrainer:
         Sorted by length, so the micro-batches of the scoring passes need little padding.
         """
         (rows,) = self.prompt_plan.step(self.prompt_batches_used)
+        rows = shard(rows, self.context)
         self.prompt_batches_used += 1
+        log.debug(
+            "rank %d of %d, step %d: prompts %s",
+            self.context.rank,
+            self.context.world_size,
+            self.prompt_batches_used,
+            rows,
+        )
         prompts = [
             encode_prompt(self.tokenizer, self.data.prompts[i], self.config.max_prompt_tokens) for i in rows
         ]
@@ -498,7 +598,7 @@ class PPOTrainer:
         self.models.critic.eval()
         prompt = left_pad(prompts, self.pad_id, self.device)
         started = time.perf_counter()
-        with self._autocast():
+        with self._whole_policy(), self._autocast():
             response_ids, response_mask, finished = generate_responses(
                 self.models.policy, *prompt, self.config.rollout, self.stop_ids, self.pad_id
             )
@@ -527,7 +627,7 @@ class PPOTrainer:
         timings = {
             "time/generate_s": generated - started,
             "time/score_s": scored - generated,
-            "rollout/generated_tokens": float(response_mask.sum()),
+            "rollout/generated_tokens": float(sum_across_ranks(response_mask.sum())),
             "reward/running_mean": self.score_stats.mean,
             "reward/running_std": self.score_stats.std,
         }
@@ -536,7 +636,7 @@ class PPOTrainer:
     def rollout(self, step: int) -> tuple[Experience, Metrics]:
         """Phase 1 of iteration `step`: the next prompts' experience and all its monitors."""
         experience, metrics = self.make_experience(self.next_prompts())
-        metrics.update(experience_monitors(experience))
+        metrics.update(experience_monitors(gather_experience(experience, self.pad_id)))
         metrics["policy/updating"] = float(self.trains_policy(step))
         return experience, metrics
 
@@ -549,7 +649,7 @@ class PPOTrainer:
     def _next_ptx_batches(self) -> list[PtxBatch]:
         """The SFT micro-batches of the next policy optimizer step (one per PPO micro-batch)."""
         assert self.ptx_plan is not None
-        micro_batches = self.ptx_plan.step(self.ptx_steps_used)
+        micro_batches = shard(self.ptx_plan.step(self.ptx_steps_used), self.context)
         self.ptx_steps_used += 1
         max_length = self.config.max_prompt_tokens + self.config.rollout.max_new_tokens
         return [
@@ -579,10 +679,11 @@ class PPOTrainer:
         Raises `CollapseError` ("finite") before the optimizer steps if a loss or gradient norm is
         NaN or infinite, so no bad update is ever applied.
         """
-        num_tokens = int(batch.response_mask.sum())
+        num_tokens = sum_counts({"tokens": int(batch.response_mask.sum())})["tokens"]  # of all ranks
         advantages = loss_advantages(batch.advantages, batch.response_mask, self.config)
         ptx_batches = self._next_ptx_batches() if train_policy and self.ptx_plan is not None else []
-        ptx_tokens = sum(int(ptx.loss_mask[:, 1:].sum()) for ptx in ptx_batches)
+        local_ptx_tokens = sum(int(ptx.loss_mask[:, 1:].sum()) for ptx in ptx_batches)
+        ptx_tokens = sum_counts({"tokens": local_ptx_tokens})["tokens"]
         self.trainable.train()
         metrics: dict[str, float] = defaultdict(float)
         for index, rows in enumerate(chunks(batch.batch_size, self.config.micro_batch_size)):
@@ -591,8 +692,8 @@ class PPOTrainer:
             if train_policy:
                 ptx = (ptx_batches[index], ptx_tokens) if ptx_batches else None
                 self._policy_backward(micro, advantages[rows], num_tokens, ptx, step, metrics)
-        metrics.update(self._clip_and_step(train_policy, step))
-        return dict(metrics)
+        norms = self._clip_and_step(train_policy, step)
+        return {**sum_metrics(dict(metrics)), **norms}  # each rank's share of the global mini-batch
 
     def _critic_backward(
         self, micro: Experience, num_tokens: int, step: int, metrics: dict[str, float]
@@ -607,7 +708,7 @@ class PPOTrainer:
                 micro.response_mask,
             )
             loss, stats = value_terms(values, micro, self.config, num_tokens)
-        self._backward("loss/value", loss, step, metrics)
+        self._backward("critic", "loss/value", loss, step, metrics)
         share = int(micro.response_mask.sum()) / num_tokens  # weights this micro-batch's mean statistics
         metrics["value/clip_fraction"] += share * float(stats.clip_fraction)
 
@@ -639,7 +740,11 @@ class PPOTrainer:
             )
             ptx_loss = ptx_nll_sum(self.models.policy, ptx[0]) / ptx[1] if ptx else surrogate.new_zeros(())
         self._backward(
-            "loss/policy_total", policy_objective(surrogate, mean_entropy, ptx_loss, config), step, metrics
+            "policy",
+            "loss/policy_total",
+            policy_objective(surrogate, mean_entropy, ptx_loss, config),
+            step,
+            metrics,
         )
         share = int(micro.response_mask.sum()) / num_tokens
         metrics["loss/policy"] += surrogate.item()
@@ -649,17 +754,41 @@ class PPOTrainer:
         metrics["policy/approx_kl"] += share * float(stats.approx_kl)
         metrics["policy/ratio_mean"] += share * float(stats.ratio_mean)
 
-    def _backward(self, name: str, loss: Tensor, step: int, metrics: dict[str, float]) -> None:
-        """Check the loss is finite, add it to `metrics[name]` and accumulate its gradient."""
+    def _backward(
+        self,
+        model: Literal["policy", "critic"],
+        name: str,
+        loss: Tensor,
+        step: int,
+        metrics: dict[str, float],
+    ) -> None:
+        """Check the loss is finite, add it to `metrics[name]` and accumulate `model`'s gradient."""
         value = loss.item()
         if not math.isfinite(value):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._discard_gradients()
         check_finite(name, value, step)
         metrics[name] += value
-        loss.backward()
+        if self.engines is not None:
+            self.engines.backward(model, loss)
+        else:
+            loss.backward()
+
+    def _discard_gradients(self) -> None:
+        if self.engines is not None:
+            self.engines.discard_gradients()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _clip_and_step(self, train_policy: bool, step: int) -> Metrics:
-        """Clip each model's gradient to `max_grad_norm` (global norm, 5.3.2), then one optimizer step."""
+        """Clip each model's gradient to `max_grad_norm` (global norm, 5.3.2), then one optimizer step.
+
+        With engines, each engine has already clipped and stepped (or skipped a non-finite step).
+        """
+        if self.engines is not None:
+            norms = self.engines.grad_norms(train_policy)
+            for name, norm in norms.items():
+                check_finite(name, norm, step)
+            return norms
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         norms = {
             "critic/grad_norm": float(
@@ -696,7 +825,7 @@ class PPOTrainer:
         started = time.perf_counter()
         self.models.policy.eval()
         parts: dict[str, list[Tensor]] = defaultdict(list)
-        with self._validation_rng():
+        with self._validation_rng(), self._whole_policy():
             torch.manual_seed(self.seed)
             for rows in chunks(len(self.eval_prompt_ids), self.config.rollout_batch_size):
                 prompt = left_pad(self.eval_prompt_ids[rows], self.pad_id, self.device)
@@ -734,7 +863,9 @@ class PPOTrainer:
             return False
         if self.best_reward is not None and reward <= self.best_reward:
             return False
-        save_causal_lm(self.models.policy, self.tokenizer, best_dir)
+        with gathered_parameters(self.models.policy):  # every rank decides alike; rank 0 writes
+            if self.context.is_main:
+                save_causal_lm(self.models.policy, self.tokenizer, best_dir)
         self.best_step, self.best_reward = step, reward
         return True
 
@@ -766,6 +897,8 @@ class PPOTrainer:
         state = TrainingState(
             step=step, best_metric=self.best_reward, metrics=metrics, extra=self.state_dict()
         )
+        if self.engines is not None:
+            return self.engines.save(root, state, self.config.keep_checkpoints)
         return save_checkpoint(
             root, state, self.trainable, self.optimizer, self.scheduler, self.config.keep_checkpoints
         )
@@ -775,7 +908,10 @@ class PPOTrainer:
         latest = latest_checkpoint(root)
         if latest is None:
             return TrainingState(step=0)
-        state = load_checkpoint(latest, self.trainable, self.optimizer, self.scheduler)
+        if self.engines is not None:
+            state = self.engines.restore(latest)
+        else:
+            state = load_checkpoint(latest, self.trainable, self.optimizer, self.scheduler)
         if state.step > self.total_steps:
             raise ValueError(
                 f"checkpoint {latest} is past the end of this run ({self.total_steps} iterations)"
@@ -830,7 +966,8 @@ def fit(
     best_dir = root / BEST_DIR
     logger = logger if logger is not None else NullLogger()
     total = trainer.total_steps
-    seed_everything(trainer.seed)
+    # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
+    seed_everything(trainer.seed + trainer.context.rank)
     state = trainer.resume(root)
     _rewind(logger, samples, state.step if state.step > 0 else -1)
     metrics = dict(state.metrics)

@@ -14,6 +14,10 @@ The output model is the checkpoint with the best validation accuracy: every impr
 model/ (loadable with `RewardModel.from_pretrained`, as PPO does). At the end that model is scored on
 every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses) and
 plots/reward_margin_hist.png (the paper's Figure 2).
+
+Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs `run_train_rm` on its
+shard of every step's pairs (the batch settings are per rank); only rank 0 saves model/, writes the
+history, scores the best model and writes metrics.json.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from rlhf_core.data.formats import parse_row
 from rlhf_core.data.prepare import REPORT_FILE, load_split
 from rlhf_core.data.readers import RawRow, open_source
 from rlhf_core.data.records import PreferencePair
+from rlhf_core.distributed.context import stage_context
 from rlhf_core.models.base import DTYPES, load_base_model
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import HEAD_CONFIG_FILE
 from rlhf_core.reward.batch import EncodedPairs, PairBatch, collate_pairs, encode_pairs, padded_pair_length
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
@@ -60,8 +66,8 @@ from rlhf_core.stages.training_run import (
     training_device,
 )
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
-from rlhf_core.training.freezing import enable_gradient_checkpointing, freeze_all_but_top_layers
-from rlhf_core.training.logger import JsonlLogger, MetricsLogger
+from rlhf_core.training.freezing import enable_gradient_checkpointing
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import total_steps, train
 
 MARGIN_PLOT = Path("plots") / "reward_margin_hist.png"
@@ -90,13 +96,16 @@ def initial_reward_model(
     config: Config, sft_dir: Path | None, device: torch.device
 ) -> tuple[RewardModel, PreTrainedTokenizerBase, list[Path]]:
     """The initial LM's backbone with a fresh scalar head (and its LM head when beta_rm > 0), frozen below
-    the top `trainable_top_layers` blocks; its tokenizer; the files identifying the initial LM."""
+    the top `trainable_top_layers` blocks (or, with `reward.lora`, frozen but for adapters in those blocks
+    and the scalar head); its tokenizer; the files identifying the initial LM."""
     settings = config.reward
     lm, tokenizer, init_files = initial_language_model(config, sft_dir, device)
     model = RewardModel.from_causal_lm(
         lm, end_of_turn_id(tokenizer), keep_lm_head=settings.beta_rm > 0, seed=config.seed
     ).to(device)
-    freeze_all_but_top_layers(model, settings.trainable_top_layers)
+    make_trainable(
+        model, settings.trainable_top_layers, settings.lora, config.seed, heads=[model.score_head]
+    )
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model, tokenizer, init_files
@@ -110,12 +119,16 @@ def frozen_layer_cache(model: RewardModel, settings: RewardConfig) -> FrozenLowe
     return FrozenLowerCache(num_lower) if num_lower > 0 else None
 
 
-def pair_batch_plan(pairs: EncodedPairs, settings: RewardConfig, seed: int) -> BatchPlan:
-    """Fixed-size micro-batches of pairs, or micro-batches packed to `token_budget` padded tokens."""
+def pair_batch_plan(pairs: EncodedPairs, settings: RewardConfig, seed: int, world_size: int = 1) -> BatchPlan:
+    """Fixed-size micro-batches of pairs, or micro-batches packed to `token_budget` padded tokens.
+
+    The plan is the global batch: `grad_accum_steps` micro-batches per rank, for `world_size` ranks.
+    """
+    accumulation = settings.grad_accum_steps * world_size
     if settings.batching == "fixed":
-        return fixed_size_plan(len(pairs.pairs), seed, settings.micro_batch_size, settings.grad_accum_steps)
+        return fixed_size_plan(len(pairs.pairs), seed, settings.micro_batch_size, accumulation)
     lengths = [padded_pair_length(pair) for pair in pairs.pairs]
-    return token_budget_plan(lengths, seed, settings.token_budget, settings.grad_accum_steps)
+    return token_budget_plan(lengths, seed, settings.token_budget, accumulation)
 
 
 def validation_batches(pairs: EncodedPairs, batch_size: int, seed: int, pad_id: int) -> list[PairBatch]:
@@ -181,6 +194,7 @@ def run_train_rm(
     """Train the reward model on `rm_train`, select it by `rm_val` accuracy, and write it to `out_dir`."""
     started = time.monotonic()
     settings = config.reward
+    context = stage_context(config.distributed)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     sft_dir = Path(sft_dir) if sft_dir is not None else None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,11 +232,11 @@ def run_train_rm(
         model.save_pretrained(model_dir, tokenizer)
         run_state.values["best_step"] = float(step)
 
-    plan = pair_batch_plan(train_pairs, settings, config.seed)
+    plan = pair_batch_plan(train_pairs, settings, config.seed, context.world_size)
     loop = loop_config(settings, config, "warmup_constant")
-    history = JsonlLogger(out_dir / HISTORY_FILE)
+    history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
     try:
-        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan))
+        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
         logger_for_loop.log_params({"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir)})
         result = train(
             model,
@@ -237,9 +251,13 @@ def run_train_rm(
             checkpoint_dir=checkpoint_dir,
             logger=logger_for_loop,
             extra_state=run_state,
+            distributed=config.distributed,
         )
     finally:
-        history.close()
+        if history is not None:
+            history.close()
+    if not context.is_main:  # rank 0 saved the best model and writes the stage's figures
+        return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
 
     best = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=device)
     scores = score_pair_batches(best, val_batches, val_cache, with_lm)

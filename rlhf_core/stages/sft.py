@@ -10,6 +10,10 @@ is the base model and metrics.json records `skipped: 1`.
 
 Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, checkpoints/ (a rerun resumes from
 the newest), metrics.json (written last).
+
+Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs this function; each
+trains its shard of every step (`sft.micro_batch_size * grad_accum_steps` sequences per rank), and only
+rank 0 writes model/, history.jsonl and metrics.json.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import Config
 from rlhf_core.data.prepare import REPORT_FILE, load_split
 from rlhf_core.data.records import PreferencePair
+from rlhf_core.distributed.context import RankContext, stage_context
+from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.models.base import load_base_model
+from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.sft.batch import (
     EncodedExamples,
@@ -49,8 +56,8 @@ from rlhf_core.stages.training_run import (
 )
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.checkpoint import latest_checkpoint
-from rlhf_core.training.freezing import enable_gradient_checkpointing, freeze_all_but_top_layers
-from rlhf_core.training.logger import JsonlLogger, MetricsLogger
+from rlhf_core.training.freezing import enable_gradient_checkpointing
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import run_evaluation, total_steps, train
 
 Metrics = dict[str, float]
@@ -106,10 +113,12 @@ def _hand_on_base_model(
     evaluate: Callable[[nn.Module, int | None], Metrics],
     out_dir: Path,
     bf16: bool,
+    context: RankContext,
 ) -> Metrics:
     """`sft.skip`: save the base model as this stage's model and measure it once (before == after)."""
     measured = run_evaluation(model, evaluate, None, bf16)
-    _save_model(model, tokenizer, out_dir)
+    if context.is_main:
+        _save_model(model, tokenizer, out_dir)
     return {
         "skipped": 1.0,
         "steps": 0.0,
@@ -126,6 +135,7 @@ def run_sft(
     """Fine-tune the base model on the `sft` split into `out_dir` (resuming from its checkpoints)."""
     started = time.monotonic()
     settings = config.sft
+    context = stage_context(config.distributed)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mark_incomplete(out_dir)
@@ -143,14 +153,15 @@ def run_sft(
     }
 
     if settings.skip:
-        metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.bf16)
+        metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.bf16, context)
     else:
         fingerprint = run_fingerprint(stage_settings(config, "sft"), [data_dir / REPORT_FILE])
         run_state = RunState(fingerprint, out_dir / CHECKPOINTS_DIR)
-        metrics = _train(config, model, tokenizer, train_set, evaluate, run_state, out_dir, logger)
+        metrics = _train(config, model, tokenizer, train_set, evaluate, run_state, out_dir, logger, context)
     metrics.update(counts)
     metrics["wall_seconds"] = time.monotonic() - started
-    write_metrics(out_dir, metrics)
+    if context.is_main:
+        write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
 
 
@@ -163,16 +174,21 @@ def _train(
     run_state: RunState,
     out_dir: Path,
     logger: MetricsLogger | None,
+    context: RankContext,
 ) -> Metrics:
     """Measure the base model, train with the shared loop, save model/, and return the stage's figures."""
     settings = config.sft
-    freeze_all_but_top_layers(model, settings.trainable_top_layers)
+    make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed)
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
+    # The plan is the global batch: grad_accum_steps micro-batches per rank, every rank its shard.
     plan = fixed_size_plan(
-        len(train_set.encoded), config.seed, settings.micro_batch_size, settings.grad_accum_steps
+        len(train_set.encoded),
+        config.seed,
+        settings.micro_batch_size,
+        settings.grad_accum_steps * context.world_size,
     )
     loop = loop_config(settings, config, "warmup_cosine", settings.min_lr_ratio)
     # The base model's figures; a resumed run restores them from its checkpoint instead.
@@ -185,9 +201,9 @@ def _train(
     def collate(indices: list[int]) -> SequenceBatch:
         return collate_sequences([train_set.encoded[i] for i in indices], pad_id).to(device)
 
-    history = JsonlLogger(out_dir / HISTORY_FILE)
+    history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
     try:
-        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan))
+        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
         logger_for_loop.log_params({"sft": settings.model_dump(mode="json")})
         result = train(
             model,
@@ -200,10 +216,14 @@ def _train(
             checkpoint_dir=run_state.checkpoint_dir,
             logger=logger_for_loop,
             extra_state=run_state,
+            distributed=config.distributed,
         )
     finally:
-        history.close()
-    _save_model(model, tokenizer, out_dir)
+        if history is not None:
+            history.close()
+    with gathered_parameters(model):
+        if context.is_main:
+            _save_model(model, tokenizer, out_dir)
     return {
         "skipped": 0.0,
         "steps": float(result.final_step),

@@ -80,7 +80,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     """Flush a file's data to disk, so a power cut cannot reorder it after the marker."""
     with path.open("rb") as handle:
         os.fsync(handle.fileno())
@@ -99,7 +99,7 @@ def _write_marker(directory: Path, step: int) -> None:
     """Written last: its presence is what makes a checkpoint directory count as complete."""
     marker = directory / MARKER_FILE
     marker.write_text(f"{step}\n")
-    _fsync_file(marker)
+    fsync_file(marker)
 
 
 def save_checkpoint(
@@ -134,9 +134,19 @@ def save_checkpoint(
         },
         temporary / STATE_FILE,
     )
-    _fsync_file(temporary / MODEL_FILE)
-    _fsync_file(temporary / STATE_FILE)
-    _write_marker(temporary, state.step)
+    fsync_file(temporary / MODEL_FILE)
+    fsync_file(temporary / STATE_FILE)
+    return publish_checkpoint(root, temporary, state.step, keep)
+
+
+def publish_checkpoint(root: Path, temporary: Path, step: int, keep: int | None) -> Path:
+    """Mark a fully written (and fsynced) temporary checkpoint complete and rename it to `step-<step>`.
+
+    Then keep the newest `keep` complete checkpoints. Shared by the single-process checkpoints above
+    and the DeepSpeed engine checkpoints of a multi-process run (rlhf_core/distributed/checkpoint.py).
+    """
+    final = root / checkpoint_name(step)
+    _write_marker(temporary, step)
     _fsync_directory(temporary)
     # A complete directory of the same step can only be a leftover of an earlier run; replace it.
     shutil.rmtree(final, ignore_errors=True)
@@ -191,6 +201,11 @@ def load_checkpoint(
     path = Path(path)
     if not (path / MARKER_FILE).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER_FILE} marker)")
+    if not (path / MODEL_FILE).is_file():
+        raise ValueError(
+            f"{path} holds no {MODEL_FILE}: it is a DeepSpeed checkpoint of a multi-process run; resume it "
+            "with the same distributed settings (distributed.num_processes, num_nodes)"
+        )
     device = next(model.parameters()).device
     load_model(model, str(path / MODEL_FILE), strict=True, device=str(device))
     saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)

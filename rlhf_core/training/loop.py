@@ -20,8 +20,18 @@ The loss contract (what makes micro-batching invisible to the update):
   instead would weight a token by 1 / (tokens in its micro-batch), which changes with the split.
 * `metrics` must be normalised the same way (by `totals`); the loop SUMS them over the micro-batches to
   get the step's values. The loop adds `loss`, `grad_norm` (before clipping), `lr` and `epoch`.
+
+Several ranks (a stage started by the `deepspeed` launcher, rlhf_core/distributed): the plan describes
+the GLOBAL batch and each rank trains every `world_size`-th micro-batch of each step
+(`distributed.sharding`). `totals` are summed over all ranks before any forward pass, so each rank's
+loss is its share of the global step's mean; a DeepSpeed engine sums the ranks' gradients (see
+`distributed.engine`), and the logged metrics are summed over ranks too. W ranks with a plan of
+`W * A` micro-batches per step therefore apply the same update as one process with that plan. Every
+rank validates (on the same batches: with ZeRO-3 a forward pass needs all ranks), only rank 0 logs,
+shows progress and calls `on_best`.
 """
 
+import logging
 import math
 import random
 from dataclasses import dataclass, replace
@@ -32,22 +42,22 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
-from torch.optim import AdamW, Optimizer
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim import AdamW
 from tqdm.auto import tqdm
 
+from rlhf_core.config import DistributedConfig
+from rlhf_core.distributed.collectives import sum_counts, sum_metrics
+from rlhf_core.distributed.context import RankContext, init_process_group, rank_context
+from rlhf_core.distributed.sharding import shard
+from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.training.batching import BatchPlan
-from rlhf_core.training.checkpoint import (
-    TrainingState,
-    checkpoint_step,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from rlhf_core.training.checkpoint import TrainingState, checkpoint_step, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.precision import autocast
-from rlhf_core.training.schedules import ScheduleName, build_scheduler
+from rlhf_core.training.schedules import ScheduleName
+from rlhf_core.training.update import LocalUpdate, ModelUpdate, NonFiniteLossError, build_adamw
 
+log = logging.getLogger(__name__)
 Batch = TypeVar("Batch")
 UnitCounts = dict[str, int]
 Metrics = dict[str, float]
@@ -85,18 +95,6 @@ class SupportsStateDict(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class NonFiniteLossError(RuntimeError):
-    """A loss or the gradient norm was NaN or inf; raised before the optimizer stepped (weights intact)."""
-
-    def __init__(self, step: int, value: float, quantity: str) -> None:
-        super().__init__(
-            f"{quantity} is {value} at optimizer step {step}; stopped before the optimizer step, so the "
-            "weights and the checkpoints are untouched"
-        )
-        self.step = step
-        self.value = value
-
-
 @dataclass(frozen=True)
 class TrainResult:
     """What a `train` call ends with. `resumed_from` is the restored checkpoint's step (0: fresh start)."""
@@ -122,14 +120,33 @@ def seed_everything(seed: int) -> None:
 
 def build_optimizer(model: nn.Module, config: LoopConfig) -> AdamW:
     """AdamW over the trainable parameters; 1-d tensors (biases, norm weights) get no weight decay."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    groups = [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.adam_eps)
+    return build_adamw(model, config.lr, config.weight_decay, config.betas, config.adam_eps)
+
+
+def build_update(
+    model: nn.Module,
+    config: LoopConfig,
+    plan: BatchPlan,
+    total: int,
+    distributed: DistributedConfig | None,
+    context: RankContext,
+) -> ModelUpdate:
+    """In-process AdamW for a world of 1; a DeepSpeed ZeRO engine per `distributed` for more ranks."""
+    if not context.is_distributed:
+        return LocalUpdate(
+            model,
+            build_optimizer(model, config),
+            config.schedule,
+            total,
+            config.warmup_ratio,
+            config.min_lr_ratio,
+            config.max_grad_norm,
+        )
+    if distributed is None:
+        raise ValueError(f"this process is rank {context.rank} of {context.world_size}: pass `distributed`")
+    from rlhf_core.distributed.engine import DeepSpeedUpdate  # imports deepspeed
+
+    return DeepSpeedUpdate.for_loop(model, config, plan, total, distributed, context)
 
 
 def sum_unit_counts(counts: list[UnitCounts]) -> UnitCounts:
@@ -144,43 +161,37 @@ def sum_unit_counts(counts: list[UnitCounts]) -> UnitCounts:
 
 
 def optimizer_step(
-    model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
+    update: ModelUpdate,
     micro_batches: list[Batch],
     count_units: Callable[[Batch], UnitCounts],
     loss_fn: Callable[[nn.Module, Batch, UnitCounts], tuple[Tensor, Metrics]],
     step: int,
     config: LoopConfig,
 ) -> Metrics:
-    """One accumulated update: backward every micro-batch against the step's totals, clip, step, zero."""
-    totals = sum_unit_counts([count_units(batch) for batch in micro_batches])
+    """One accumulated update: backward every micro-batch against the step's totals, then step.
+
+    `micro_batches` are this rank's; `totals`, the loss and the metrics are summed over all ranks
+    (a no-op for one rank), so they describe the whole global step.
+    """
+    totals = sum_counts(sum_unit_counts([count_units(batch) for batch in micro_batches]))
+    model = update.model
     device = next(model.parameters()).device
     metrics: Metrics = {}
     loss_sum = 0.0
+    lr = update.lr()
     for index, batch in enumerate(micro_batches):
         with autocast(device, config.bf16):
             loss, batch_metrics = loss_fn(model, batch, totals)
         value = loss.item()
         if not math.isfinite(value):
-            optimizer.zero_grad(set_to_none=True)
+            update.discard_gradients()
             raise NonFiniteLossError(step, value, f"the loss of micro-batch {index}")
-        loss.backward()
+        update.backward(loss)
         loss_sum += value
         for name, metric in batch_metrics.items():
             metrics[name] = metrics.get(name, 0.0) + float(metric)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # With clipping off, an infinite threshold still returns the norm and leaves the gradients as they are.
-    max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm).item()
-    if not math.isfinite(grad_norm):  # a finite loss can still overflow in backward (e.g. in bf16)
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(step, grad_norm, "the gradient norm")
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**metrics, "loss": loss_sum, "grad_norm": grad_norm, "lr": lr}
+    grad_norm = update.step(step)
+    return {**sum_metrics({**metrics, "loss": loss_sum}), "grad_norm": grad_norm, "lr": lr}
 
 
 def run_evaluation(
@@ -206,12 +217,7 @@ def is_improvement(value: float, best: float | None, mode: Literal["max", "min"]
 
 
 def resume(
-    checkpoint_dir: Path | None,
-    model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
-    extra_state: SupportsStateDict | None,
-    total: int,
+    checkpoint_dir: Path | None, update: ModelUpdate, extra_state: SupportsStateDict | None, total: int
 ) -> TrainingState:
     """Restore the newest complete checkpoint in place, or return the state of a fresh start (step 0)."""
     latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
@@ -219,7 +225,7 @@ def resume(
         return TrainingState(step=0)
     if checkpoint_step(latest) > total:
         raise ValueError(f"checkpoint {latest} is past the end of training ({total} steps)")
-    state = load_checkpoint(latest, model, optimizer, scheduler)
+    state = update.restore(latest)
     if extra_state is not None:
         extra_state.load_state_dict(state.extra)
     return state
@@ -243,14 +249,19 @@ def _evaluate_step(
 
 
 def _track_best(
-    model: nn.Module,
+    update: ModelUpdate,
     step: int,
     metrics: Metrics,
     best: float | None,
     select_best: tuple[str, Literal["max", "min"]] | None,
     on_best: Callable[[nn.Module, int, Metrics], None] | None,
+    context: RankContext,
 ) -> float | None:
-    """The best value of the selected metric after this validation; calls `on_best` when it improved."""
+    """The best value of the selected metric after this validation; rank 0 calls `on_best` when it improved.
+
+    Every rank decides alike (the validation metrics are the same on all ranks) and enters the gather
+    of ZeRO-3 partitioned weights, which is collective; only rank 0 writes.
+    """
     if select_best is None:
         return best
     name, mode = select_best
@@ -259,7 +270,9 @@ def _track_best(
     if not is_improvement(metrics[name], best, mode):
         return best
     if on_best is not None:
-        on_best(model, step, metrics)
+        with gathered_parameters(update.model):
+            if context.is_main:
+                on_best(update.model, step, metrics)
     return metrics[name]
 
 
@@ -272,15 +285,13 @@ def _checkpoint_due(step: int, total: int, config: LoopConfig) -> bool:
 def _checkpoint(
     root: Path,
     state: TrainingState,
-    model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
+    update: ModelUpdate,
     extra_state: SupportsStateDict | None,
     config: LoopConfig,
 ) -> None:
     """Save `state` plus the caller's extra state, keeping the newest `keep_checkpoints`."""
     extra = extra_state.state_dict() if extra_state is not None else {}
-    save_checkpoint(root, replace(state, extra=extra), model, optimizer, scheduler, config.keep_checkpoints)
+    update.save(root, replace(state, extra=extra), config.keep_checkpoints)
 
 
 def train(
@@ -297,6 +308,7 @@ def train(
     checkpoint_dir: str | Path | None = None,
     logger: MetricsLogger | None = None,
     extra_state: SupportsStateDict | None = None,
+    distributed: DistributedConfig | None = None,
 ) -> TrainResult:
     """Train `model` in place for `total_steps(config, plan)` optimizer steps, resuming if possible.
 
@@ -306,35 +318,44 @@ def train(
     last step on everything (`max_batches=None`). `select_best=(metric, "max" | "min")` tracks the best
     value of that validation metric and calls `on_best(model, step, metrics)` whenever it improves.
     `checkpoint_dir=None` disables checkpoints. The logger is not closed: it belongs to the caller.
+
+    In a process started by the `deepspeed` launcher (more than one rank), `distributed` configures
+    the DeepSpeed engine and `plan.accumulation_steps` must be a multiple of the world size; after
+    `train` returns, ZeRO-3 weights are still partitioned: save them inside
+    `distributed.zero.gathered_parameters(model)`.
     """
-    logger = logger if logger is not None else NullLogger()
+    context = rank_context()
+    init_process_group(context)
+    logger = logger if logger is not None and context.is_main else NullLogger()
     checkpoint_root = Path(checkpoint_dir) if checkpoint_dir is not None else None
     total = total_steps(config, plan)
     seed_everything(config.seed)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config.schedule, total, config.warmup_ratio, config.min_lr_ratio)
-    state = resume(checkpoint_root, model, optimizer, scheduler, extra_state, total)
+    update = build_update(model, config, plan, total, distributed, context)
+    state = resume(checkpoint_root, update, extra_state, total)
     resumed_from = state.step
     if isinstance(logger, RewindableLogger):
         logger.truncate_after(resumed_from)
     logger.log_params({"loop": config.model_dump(mode="json"), "total_steps": total})
-    model.train()
-    with tqdm(total=total, initial=resumed_from, disable=not config.progress_bar, desc="train") as progress:
+    update.model.train()
+    show_progress = config.progress_bar and context.is_main
+    with tqdm(total=total, initial=resumed_from, disable=not show_progress, desc="train") as progress:
         for step in range(resumed_from + 1, total + 1):
-            micro_batches = [collate(indices) for indices in plan.step(step - 1)]
-            metrics = optimizer_step(
-                model, optimizer, scheduler, micro_batches, count_units, loss_fn, step, config
+            rank_indices = shard(plan.step(step - 1), context)
+            log.debug(
+                "rank %d of %d, step %d: examples %s", context.rank, context.world_size, step, rank_indices
             )
+            micro_batches = [collate(indices) for indices in rank_indices]
+            metrics = optimizer_step(update, micro_batches, count_units, loss_fn, step, config)
             metrics["epoch"] = step / plan.steps_per_epoch
-            validation = _evaluate_step(model, step, total, config, evaluate)
+            validation = _evaluate_step(update.model, step, total, config, evaluate)
             best_metric = state.best_metric
             if validation is not None:
                 metrics.update(validation)
-                best_metric = _track_best(model, step, metrics, best_metric, select_best, on_best)
+                best_metric = _track_best(update, step, metrics, best_metric, select_best, on_best, context)
             logger.log_metrics(metrics, step)
             state = TrainingState(step=step, best_metric=best_metric, metrics=metrics)
             if checkpoint_root is not None and _checkpoint_due(step, total, config):
-                _checkpoint(checkpoint_root, state, model, optimizer, scheduler, extra_state, config)
+                _checkpoint(checkpoint_root, state, update, extra_state, config)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}")
     return TrainResult(

@@ -1,0 +1,9 @@
+"""Scale-out across processes: rank context, data sharding, collectives, DeepSpeed engines and the launcher.
+
+A stage runs in one process by default. With `distributed.num_processes > 1` the orchestration layer
+starts it under the `deepspeed` launcher (`launcher.py`); every rank runs `python -m
+rlhf_core.distributed.worker <stage>` and trains its shard of every optimizer step's samples
+(`sharding.py`) through a DeepSpeed ZeRO engine (`engine.py`, config rendered by `deepspeed_config.py`),
+with the statistics that span the whole batch summed across ranks (`collectives.py`). Only rank 0 logs
+and writes outputs. Nothing here imports deepspeed unless a process group of more than one rank is used.
+"""

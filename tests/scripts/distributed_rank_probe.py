@@ -1,0 +1,35 @@
+"""What each rank runs in tests/test_distributed_launcher.py: print a line, then fail.
+
+`--fail-rank R --message M`: rank R raises ValueError(M) (recorded for the launcher); every other rank
+waits until rank R's error record exists and then raises a secondary error of its own, unless the
+launcher kills it first.
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from rlhf_core.distributed.context import rank_context
+from rlhf_core.distributed.rank_errors import ERROR_DIR_ENV, recording_rank_errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-rank", type=int, required=True)
+    parser.add_argument("--message", required=True)
+    args = parser.parse_args()
+    context = rank_context()
+    print(f"hello from rank {context.rank} of {context.world_size}", flush=True)
+    with recording_rank_errors():
+        if context.rank == args.fail_rank:
+            raise ValueError(args.message)
+        record = Path(os.environ[ERROR_DIR_ENV]) / f"rank-{args.fail_rank}.json"
+        deadline = time.monotonic() + 60
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError(f"rank {context.rank}: my peer went away")
+
+
+if __name__ == "__main__":
+    main()
