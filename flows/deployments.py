@@ -1,4 +1,5 @@
-"""The deployments, defined once: `rlhf-pipeline` (manual, parameterised) and `rlhf-retrain` (cron).
+"""The deployments, defined once: `rlhf-pipeline`, `rlhf-promote` and `rlhf-human-eval` (manual,
+parameterised) and `rlhf-retrain` (cron).
 
 Two ways to run them, from the same definitions:
 - `rlhf serve` serves them from this machine (`serve_deployments`): no work pool or worker needed;
@@ -20,7 +21,9 @@ from prefect import Flow, serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.schedules import Cron
 
+from flows.human_eval import rlhf_human_eval
 from flows.pipeline import rlhf_pipeline
+from flows.promote import rlhf_promote
 from flows.retrain import rlhf_retrain
 
 TAGS = ("rlhf",)
@@ -54,10 +57,24 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         name="rlhf-retrain",
         flow=rlhf_retrain,
         entrypoint="flows/retrain.py:rlhf_retrain",
-        description="Weekly: pull the newest DVC data version, rerun the pipeline, register a challenger.",
+        description="Weekly: pull the newest DVC data version, rerun the pipeline, gate and promote the challenger.",
         parameters={"settings": {"data": "data/raw"}},
         cron=RETRAIN_CRON,
         concurrency_limit=1,  # a retrain still running when the next is due: the next one waits
+    ),
+    DeploymentSpec(
+        name="rlhf-promote",
+        flow=rlhf_promote,
+        entrypoint="flows/promote.py:rlhf_promote",
+        description="Gate the challenger policy against the champion and promote it, or roll the champion back.",
+        concurrency_limit=1,  # two promotions at once would race for the champion alias
+    ),
+    DeploymentSpec(
+        name="rlhf-human-eval",
+        flow=rlhf_human_eval,
+        entrypoint="flows/human_eval.py:rlhf_human_eval",
+        description="People judge model A against model B pair by pair in forms; rerun on the same out_dir to resume.",
+        parameters={"settings": {"generations": "artifacts/eval/generations.jsonl", "out_dir": "artifacts/human-eval"}},
     ),
 )
 

@@ -1,4 +1,4 @@
-"""The `rlhf-pipeline` flow: prepare data -> SFT -> reward model -> PPO-max -> register.
+"""The `rlhf-pipeline` flow: prepare data -> SFT -> reward model -> PPO-max -> evaluate -> register.
 
 Its one parameter is a pydantic model (`PipelineSettings`), which the Prefect UI renders as a form:
 config overlays and overrides, the data source, and the stages to run. The flow
@@ -11,7 +11,10 @@ config overlays and overrides, the data source, and the stages to run. The flow
    together,
 4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
 5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
-   earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`),
+   earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`). The evaluate stage
+   compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (the reward
+   model by default, in-sample: the one PPO optimised against); register tags the policy version with
+   that evaluation and with the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, so the flow run is Failed with it.
 
@@ -33,10 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlhf_core.config import Config, load_config
 from tasks.caching import with_cache_dir
 from tasks.data_source import DataSource, resolve_data_source
+from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
 from tasks.lineage import pipeline_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
-from tasks.registry import RegisteredVersion
+from tasks.registry import RegisteredVersion, lineage_output_tags
 from tasks.stages import StageContext, ppo_task, prepare_data_task, register_task, reward_task, sft_task
 
 CACHE_DIR_NAME = ".cache"
@@ -50,6 +54,7 @@ class Stage(str, Enum):
     SFT = "sft"
     REWARD = "reward"
     PPO = "ppo"
+    EVALUATE = "evaluate"
     REGISTER = "register"
 
 
@@ -59,7 +64,8 @@ NEEDS: dict[Stage, tuple[Stage, ...]] = {
     Stage.SFT: (Stage.PREPARE_DATA,),
     Stage.REWARD: (Stage.PREPARE_DATA, Stage.SFT),
     Stage.PPO: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD),
-    Stage.REGISTER: (Stage.REWARD, Stage.PPO),
+    Stage.EVALUATE: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.PPO),
+    Stage.REGISTER: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.PPO, Stage.EVALUATE),
 }
 
 
@@ -118,6 +124,8 @@ class PipelineResult(BaseModel):
             alias = f", alias {version.alias}" if version.alias else ""
             reused = " (unchanged model: existing version)" if version.reused else ""
             lines.append(f"registered: {version.name} version {version.version}{alias}: {version.uri}{reused}")
+        if "evaluate" in self.outputs:
+            lines += evaluation_summary(self.outputs["evaluate"])
         return "\n".join(lines)
 
 
@@ -165,8 +173,26 @@ def run_stages(
         outputs["ppo"] = with_cache_dir(ppo_task, cache_dir)(
             config, outputs["prepare-data"], outputs["sft"], outputs["reward"], context
         )
+    if Stage.EVALUATE in selected:
+        outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
+            config,
+            outputs["prepare-data"],
+            outputs["ppo"],
+            outputs["sft"],
+            judge_spec(config, outputs["reward"]),
+            context,
+            names=("PPO policy", "SFT model"),
+        )
     if Stage.REGISTER in selected:
-        registered = register_task(config, outputs["reward"], outputs["ppo"], lineage, context)
+        made_from = lineage_output_tags({stage: outputs[stage] for stage in ("prepare-data", "sft")})
+        registered = register_task(
+            config,
+            outputs["reward"],
+            outputs["ppo"],
+            {**lineage, **made_from},
+            evaluation_tags(outputs["evaluate"]),
+            context,
+        )
     return outputs, registered
 
 
@@ -179,7 +205,10 @@ def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput])
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.out_dir", str(output.out_dir))
 
 
-@flow(name="rlhf-pipeline", description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, register.")
+@flow(
+    name="rlhf-pipeline",
+    description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, evaluate, register.",
+)
 def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResult:
     """Run the pipeline as `settings` asks; see the module docstring for the steps."""
     logger = get_run_logger()
@@ -197,10 +226,10 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         source.kind,
         tracking.parent_run_id,
     )
-    context = StageContext(run_dir=run_dir, tracking=tracking)
+    context = StageContext(run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking)
     try:
         outputs, registered = run_stages(
-            config, source, stages_to_run(settings.stages), context, runs_dir / CACHE_DIR_NAME, lineage
+            config, source, stages_to_run(settings.stages), context, context.cache_dir, lineage
         )
         record_stage_runs(tracking, outputs)
     except BaseException as error:

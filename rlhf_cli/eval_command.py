@@ -1,6 +1,13 @@
 """The `rlhf eval` subcommand (registered at the end of rlhf_cli/main.py).
 
     rlhf eval --a artifacts/ppo --b artifacts/sft [--judge rm|llm] [--rm-dir artifacts/reward]
+    rlhf eval --a models:/rlhf-policy@challenger --b models:/rlhf-policy@champion
+
+A model (`--a`, `--b`, `--rm-dir`) is a stage output or model directory, or an MLflow registry URI
+(`models:/name@alias`, `models:/name/3`) on the tracking store MLFLOW_TRACKING_URI (or
+tracking.tracking_uri) names, downloaded once into `artifacts/registry/` (tasks/evaluation.py).
+Whether a reward-model judge is in-sample is read from model A's record of the reward model PPO
+optimised against; `--rm-independent` vouches for a model A without such a record.
 
 It takes the CLI's shared options (`--config`, `-s`, `--params`, `--out`, default `artifacts/eval/`),
 defined once in stage_commands.py. The judge defaults to `evaluation.judge` in params.yaml (the reward
@@ -17,22 +24,37 @@ from typing import Annotated, Optional
 import typer
 
 from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, resolve_config
+from rlhf_core.config import Config
+
+MODELS_URI_PREFIX = "models:/"
+REGISTRY_CACHE = Path("artifacts/registry")
+
+
+def local_model(reference: str, config: Config) -> Path:
+    """A directory as it is; a `models:/` URI downloaded from the MLflow registry (Prefect and MLflow are
+    imported only then, so the common case stays fast)."""
+    if not reference.startswith(MODELS_URI_PREFIX):
+        return Path(reference)
+    from tasks.evaluation import resolve_model_reference
+
+    return resolve_model_reference(reference, config, REGISTRY_CACHE)
 
 
 def eval_command(
-    a: Annotated[Path, typer.Option("--a", help="Model A, under evaluation (e.g. artifacts/ppo).")],
-    b: Annotated[Path, typer.Option("--b", help="Model B, the baseline (e.g. artifacts/sft).")],
+    a: Annotated[str, typer.Option("--a", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")],
+    b: Annotated[str, typer.Option("--b", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")],
     judge: Annotated[
         Optional[str], typer.Option("--judge", help="rm | llm (default: evaluation.judge in params.yaml).")
     ] = None,
     rm_dir: Annotated[
-        Path, typer.Option("--rm-dir", help="The reward model judging (a train-rm output directory).")
-    ] = Path("artifacts/reward"),
+        str, typer.Option("--rm-dir", help="The reward model judging (a train-rm output directory or models:/ URI).")
+    ] = "artifacts/reward",
     rm_independent: Annotated[
         bool,
         typer.Option(
             "--rm-independent",
-            help="The judging reward model is NOT the one PPO optimised against (e.g. trained on a disjoint split).",
+            help="The judging reward model is NOT the one PPO optimised against (for a model A that does not "
+            "record its reward model; e.g. one trained on a disjoint split).",
         ),
     ] = False,
     agree_with: Annotated[
@@ -57,13 +79,14 @@ def eval_command(
     result = run_evaluate(
         resolved,
         data_dir,
-        a,
-        b,
+        local_model(a, resolved),
+        local_model(b, resolved),
         out if out is not None else Path("artifacts/eval"),
         judge=chosen,
-        rm_dir=rm_dir if chosen == "rm" else None,
-        rm_in_sample=not rm_independent,
+        rm_dir=local_model(rm_dir, resolved) if chosen == "rm" else None,
+        rm_in_sample=False if rm_independent else None,
         other_verdicts=agree_with or [],
+        names=(a, b),
     )
     metrics = result.metrics
     typer.echo((result.out_dir / REPORT_MD).read_text(encoding="utf-8"), nl=False)

@@ -4,10 +4,11 @@ Registered in rlhf_cli/main.py. `rlhf run` runs the `rlhf-pipeline` flow in this
 embedded defaults: with PREFECT_API_URL unset Prefect starts a temporary server for the run itself,
 MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_TRACKING_URI (or
 tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
-printing where the results are: run directory, data version, MLflow run, registered versions.
+printing where the results are: run directory, data version, MLflow run, evaluation, registered versions.
 
-`rlhf serve` serves the deployments of flows/deployments.py against the configured Prefect server
-(`prefect config set PREFECT_API_URL=...`, or a started `prefect server start`), until interrupted.
+`rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
+against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
+`prefect server start`), until interrupted.
 
 Flows (and with them Prefect, MLflow and torch) are imported inside the commands, so
 `rlhf --help` stays fast.
@@ -31,7 +32,7 @@ StageOption = Annotated[
     Optional[list[str]],
     typer.Option(
         "--stage",
-        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, register.",
+        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, evaluate, register.",
     ),
 ]
 LimitOption = Annotated[
@@ -47,7 +48,7 @@ def run(
     runs_dir: RunsDirOption = Path("runs"),
     stage: StageOption = None,
 ) -> None:
-    """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, register) and say where it all is."""
+    """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""
     from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 
     settings = PipelineSettings(
@@ -63,7 +64,7 @@ def run(
 
 
 def serve(limit: LimitOption = None) -> None:
-    """Serve the rlhf-pipeline and rlhf-retrain deployments from this machine (run them from the Prefect UI)."""
+    """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
     from flows.deployments import serve_deployments
 
     serve_deployments(limit=limit)

@@ -8,10 +8,16 @@ cached stage does not train and takes no slot.
 The limit is created with TRAINING_SLOTS slots the first time it is needed. An existing limit is left
 as it is, so that an operator can raise it (a machine with several GPUs) in the UI or with
 `prefect gcl update rlhf-training-<hostname> --limit N`.
+
+A slot is a lease that the holding process renews while it trains. A process that is killed cannot
+release its slot; the Prefect server takes it back once the lease runs out, LEASE_SECONDS (5 minutes;
+the environment variable RLHF_TRAINING_LEASE_SECONDS changes it, 60 at least) after the last renewal.
+So a pipeline rerun straight after a kill waits up to that long before it trains.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -24,6 +30,8 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 TRAINING_SLOTS = 1
 LIMIT_PREFIX = "rlhf-training"
+LEASE_SECONDS = 300.0
+LEASE_ENV = "RLHF_TRAINING_LEASE_SECONDS"
 
 
 def training_limit_name(hostname: str | None = None) -> str:
@@ -51,5 +59,10 @@ def training_slot(name: str | None = None) -> Iterator[None]:
     """Hold one slot of this machine's training limit for the duration of the block."""
     limit = name or training_limit_name()
     ensure_training_limit(limit)
-    with concurrency(limit, occupy=1, strict=True):
+    with concurrency(limit, occupy=1, strict=True, lease_duration=lease_seconds()):
         yield
+
+
+def lease_seconds() -> float:
+    """How long a killed holder keeps its slot: RLHF_TRAINING_LEASE_SECONDS, else LEASE_SECONDS."""
+    return float(os.environ.get(LEASE_ENV, LEASE_SECONDS))

@@ -9,15 +9,16 @@
 - The reward model is logged as a pyfunc (tasks/reward_scorer.py) whose artifact is its directory.
 
 Each new version gets tags linking it to the data version, the pipeline and stage runs, the config
-and code, and `evaluation.status = pending` (the evaluation stage replaces it); the new policy
-version gets the alias `challenger`. Registration is idempotent on content: a model directory whose
-sha256 is already registered (a rerun on unchanged inputs) gets no new version; the alias moves to
-the existing one.
+and code, and the stage outputs it was made from (`lineage.<stage>.out_dir` / `.sha256`: the SFT model
+a promotion compares against when there is no champion yet); the policy version gets the tags of its
+evaluation (`evaluation.*`, tasks/evaluation.py) and the alias `challenger`. Registration is
+idempotent on content: a model directory whose sha256 is already registered (a rerun on unchanged
+inputs) gets no new version; the alias moves to the existing one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import version
 from pathlib import Path
 
@@ -36,8 +37,8 @@ CONTENT_TAG = "rlhf.content_sha256"
 STAGE_RUN_TAG = "rlhf.stage_run_id"
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
 EVALUATION_STATUS_TAG = "evaluation.status"
-EVALUATION_PENDING = "pending"
 REWARD_VERSION_TAG = "rlhf.reward_model_version"
+LINEAGE_OUTPUT_PREFIX = "lineage."
 MODEL_ARTIFACT_PATH = "model"
 
 
@@ -117,6 +118,41 @@ def register(
     if alias is not None:
         client.set_registered_model_alias(name, alias, registered.version)
     return registered
+
+
+def tag_version(client: MlflowClient, version: RegisteredVersion, tags: Mapping[str, str]) -> None:
+    """Set `tags` on a registered version, new or reused."""
+    for key, value in tags.items():
+        client.set_model_version_tag(version.name, version.version, key, value)
+
+
+def lineage_output_tags(outputs: Mapping[str, StageOutput]) -> dict[str, str]:
+    """`lineage.<stage>.out_dir` and `lineage.<stage>.sha256` of each stage output a version came from."""
+    tags: dict[str, str] = {}
+    for stage, output in outputs.items():
+        tags[f"{LINEAGE_OUTPUT_PREFIX}{stage}.out_dir"] = str(output.out_dir)
+        tags[f"{LINEAGE_OUTPUT_PREFIX}{stage}.sha256"] = output.sha256
+    return tags
+
+
+def lineage_output(tags: Mapping[str, str], stage: str) -> StageOutput:
+    """The stage output a version's lineage tags name (its model in `out_dir/model` if that exists).
+
+    The path is on the machine that ran the pipeline; a missing one is an error naming it.
+    """
+    key = f"{LINEAGE_OUTPUT_PREFIX}{stage}.out_dir"
+    if key not in tags:
+        raise ValueError(f"the model version has no lineage tag {key!r}: it was not registered by the pipeline")
+    out_dir = Path(tags[key])
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"the {stage} output {out_dir} named by the version's lineage is not on this machine")
+    model_dir = out_dir / "model"
+    return StageOutput(
+        stage=stage,
+        out_dir=out_dir,
+        sha256=tags[f"{LINEAGE_OUTPUT_PREFIX}{stage}.sha256"],
+        model_dir=model_dir if model_dir.is_dir() else None,
+    )
 
 
 def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str:

@@ -9,6 +9,8 @@ and retrying them only delays the report:
 - checkpoints made with other settings (ResumeMismatchError): resuming is refused every time;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
+A stage launched over several processes fails with RankFailedError, which names the error type of the
+rank that failed first; the same rule applies to that type.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prefect.states import State
 from rlhf_core.config import ConfigError
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
+from rlhf_core.distributed.launcher import RankFailedError
 from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.loop import NonFiniteLossError
@@ -46,6 +49,8 @@ def is_retryable(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> 
         state.result()
     except NOT_RETRIED:
         return False
+    except RankFailedError as error:  # a launched stage: judge the failing rank's own error
+        return error.error_type not in {kind.__name__ for kind in NOT_RETRIED}
     except Exception:  # noqa: BLE001 - anything else may be transient: retry and resume
         return True
     return True

@@ -13,7 +13,8 @@ Every stage task:
 - trains (SFT, reward model, PPO) only while holding this machine's training slot (tasks/concurrency.py).
 
 `register_task` is not cached: the registry itself is its record (tasks/registry.py reuses a version
-with the same content), and it is cheap next to training.
+with the same content), and it is cheap next to training. The evaluate stage's task, which builds on
+`tracked_stage` too, is in tasks/evaluation.py.
 """
 
 from __future__ import annotations
@@ -27,31 +28,32 @@ from typing import Any
 
 import pandas as pd
 from mlflow import MlflowClient
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
+from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages import ppo, prepare_data, reward, sft
 from rlhf_core.stages.result import METRICS_FILE
 from rlhf_core.training.logger import MetricsLogger
 from tasks.artifacts import ProgressArtifactLogger, publish_samples, publish_summary, read_samples
-from tasks.caching import StageCachePolicy
+from tasks.caching import StageCachePolicy, stage_cache_key
 from tasks.concurrency import training_slot
 from tasks.data_source import DataSource
 from tasks.mlflow_runs import TrackingTarget, run_url, stage_run
 from tasks.outputs import StageOutput, output_sha256
+from tasks.resume import claim_out_dir, release_claim
 from tasks.registry import (
     CHALLENGER_ALIAS,
-    EVALUATION_PENDING,
-    EVALUATION_STATUS_TAG,
     PIPELINE_RUN_TAG,
     REWARD_VERSION_TAG,
     STAGE_RUN_TAG,
     RegisteredVersion,
     register,
+    tag_version,
 )
 from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.tracking import MlflowLogger
@@ -62,7 +64,7 @@ SAMPLES_FILE = "samples.jsonl"
 FINAL_METRIC_PREFIX = "final."
 
 # Each stage's directory inside the run directory (the layout of `artifacts/` and dvc.yaml).
-OUTPUT_DIRS = {"prepare-data": "data", "sft": "sft", "reward": "reward", "ppo": "ppo"}
+OUTPUT_DIRS = {"prepare-data": "data", "sft": "sft", "reward": "reward", "ppo": "ppo", "evaluate": "eval"}
 
 # Config sections each stage reads; they (and config.seed) enter its cache key and its MLflow params.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -70,6 +72,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "sft": ("model", "sft", "distributed"),
     "reward": ("model", "reward", "distributed"),
     "ppo": ("model", "ppo", "distributed"),
+    "evaluate": ("model", "sft", "reward", "evaluation"),  # sft, reward: perplexity and RM batch sizes
 }
 
 STAGE_TASK_OPTIONS: dict[str, Any] = {
@@ -82,11 +85,12 @@ STAGE_TASK_OPTIONS: dict[str, Any] = {
 
 
 class StageContext(BaseModel):
-    """What the stage tasks of one pipeline run share: the run directory and the MLflow parent run."""
+    """What the stage tasks of one pipeline run share: the run directory, the stage cache, the MLflow parent run."""
 
     model_config = ConfigDict(frozen=True)
 
     run_dir: Path
+    cache_dir: Path
     tracking: TrackingTarget
 
 
@@ -126,11 +130,36 @@ class StageRun:
 @contextmanager
 def tracked_stage(stage: str, config: Config, context: StageContext) -> Iterator[StageRun]:
     """Open the nested MLflow run of this attempt of `stage` (closed FINISHED or FAILED on exit)."""
-    params: dict[str, Any] = {"seed": config.seed}
-    params |= {name: getattr(config, name).model_dump(mode="json") for name in STAGE_SECTIONS[stage]}
-    tags = {"prefect.task_run_id": str(task_run.get_id()), "prefect.attempt": str(task_run.get_run_count())}
-    with stage_run(context.tracking, stage, params, tags) as run_id:
+    with stage_run(context.tracking, stage, stage_params(stage, config), attempt_tags()) as run_id:
         yield StageRun(stage, context.run_dir / OUTPUT_DIRS[stage], run_id, context.tracking.client(), context.tracking)
+
+
+@contextmanager
+def tracked_training_stage(
+    stage: str, config: Config, context: StageContext, input_hashes: dict[str, str]
+) -> Iterator[StageRun]:
+    """`tracked_stage` for a training stage, holding the training slot, in the directory it may resume.
+
+    The output directory is claimed under the stage's cache key (tasks/resume.py), so that an attempt
+    whose process was killed is resumed from its newest checkpoint by the next run with the same inputs,
+    not only by a Prefect retry of the same flow run.
+    """
+    key = stage_cache_key(stage, config, STAGE_SECTIONS[stage], input_hashes)
+    with training_slot(), stage_run(context.tracking, stage, stage_params(stage, config), attempt_tags()) as run_id:
+        out_dir = claim_out_dir(context.cache_dir, key, context.run_dir / OUTPUT_DIRS[stage])
+        yield StageRun(stage, out_dir, run_id, context.tracking.client(), context.tracking)
+        release_claim(context.cache_dir, key)
+
+
+def stage_params(stage: str, config: Config) -> dict[str, Any]:
+    """The MLflow params of a stage run: the seed and the config sections the stage reads."""
+    params: dict[str, Any] = {"seed": config.seed}
+    return params | {name: getattr(config, name).model_dump(mode="json") for name in STAGE_SECTIONS[stage]}
+
+
+def attempt_tags() -> dict[str, str]:
+    """Tags naming the Prefect task run and which attempt (retry) of it this is."""
+    return {"prefect.task_run_id": str(task_run.get_id()), "prefect.attempt": str(task_run.get_run_count())}
 
 
 def read_numeric_metrics(path: Path) -> dict[str, float]:
@@ -147,6 +176,34 @@ def _numbers(value: Any, prefix: str) -> dict[str, float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return {prefix.rstrip("."): float(value)}
     return {}
+
+
+def run_launched(
+    stage: str,
+    config: Config,
+    run: StageRun,
+    *,
+    data_dir: Path,
+    sft_dir: Path | None = None,
+    rm_dir: Path | None = None,
+) -> Path:
+    """Run a training stage on `config.distributed`'s processes (rlhf_core/distributed/launcher.py).
+
+    Every rank's log lines go to this task's Prefect log as they appear; a failing rank fails the task
+    with that rank's error. Rank 0's stepped metrics (history.jsonl) then go to the MLflow run.
+    Returns the model directory.
+    """
+    prefect_log = get_run_logger()
+
+    def forward(rank: int | None, line: str) -> None:
+        prefect_log.info("[%s] %s", "launcher" if rank is None else f"rank {rank}", line)
+
+    launch_stage(stage, config, run.out_dir, forward, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
+    metrics_logger = run.progress_logger()
+    for row in map(json.loads, (run.out_dir / "history.jsonl").read_text(encoding="utf-8").splitlines()):
+        step = int(row.pop("step"))
+        metrics_logger.log_metrics(row, step)
+    return run.out_dir / "model"
 
 
 def log_output_files(client: MlflowClient, run_id: str, output: StageOutput) -> None:
@@ -190,7 +247,9 @@ def prepare_data_task(config: Config, source: DataSource, context: StageContext)
 )
 def sft_task(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
     """Supervised fine-tuning on the chosen replies (rlhf_core.stages.sft)."""
-    with training_slot(), tracked_stage("sft", config, context) as run:
+    with tracked_training_stage("sft", config, context, {"data": data.content_hash}) as run:
+        if config.distributed.world_size > 1:
+            return run.finish(run_launched("sft", config, run, data_dir=data.out_dir))
         result = sft.run_sft(config, data.out_dir, run.out_dir, logger=run.progress_logger())
         return run.finish(result.model_dir)
 
@@ -204,7 +263,11 @@ def sft_task(config: Config, data: StageOutput, context: StageContext) -> StageO
 )
 def reward_task(config: Config, data: StageOutput, sft_output: StageOutput, context: StageContext) -> StageOutput:
     """Reward-model training (rlhf_core.stages.reward)."""
-    with training_slot(), tracked_stage("reward", config, context) as run:
+    inputs = {"data": data.content_hash, "sft_output": sft_output.content_hash}
+    with tracked_training_stage("reward", config, context, inputs) as run:
+        if config.distributed.world_size > 1:
+            launched = run_launched("reward", config, run, data_dir=data.out_dir, sft_dir=sft_output.out_dir)
+            return run.finish(launched)
         result = reward.run_train_rm(
             config, data.out_dir, sft_output.out_dir, run.out_dir, logger=run.progress_logger()
         )
@@ -228,7 +291,15 @@ def ppo_task(
     context: StageContext,
 ) -> StageOutput:
     """PPO-max (rlhf_core.stages.ppo)."""
-    with training_slot(), tracked_stage("ppo", config, context) as run:
+    inputs = {
+        "data": data.content_hash,
+        "sft_output": sft_output.content_hash,
+        "reward_output": reward_output.content_hash,
+    }
+    with tracked_training_stage("ppo", config, context, inputs) as run:
+        if config.distributed.world_size > 1:
+            dirs = {"sft_dir": sft_output.out_dir, "rm_dir": reward_output.out_dir}
+            return run.finish(run_launched("ppo", config, run, data_dir=data.out_dir, **dirs))
         result = ppo.run_ppo(
             config,
             data.out_dir,
@@ -252,14 +323,19 @@ def register_task(
     reward_output: StageOutput,
     ppo_output: StageOutput,
     lineage: dict[str, str],
+    evaluation: dict[str, str],
     context: StageContext,
 ) -> list[RegisteredVersion]:
-    """Register the reward model and the PPO policy (alias `challenger`) with their lineage as tags."""
+    """Register the reward model and the PPO policy (alias `challenger`) with their lineage as tags.
+
+    `evaluation` (tags linking to the evaluation of this run, tasks/evaluation.py) goes on the policy
+    version even when it is an existing one: the newest evaluation of that model.
+    """
     tracking = context.tracking
     params = {"tracking": config.tracking.model_dump(mode="json")}
     with stage_run(tracking, "register", params, {"prefect.task_run_id": str(task_run.get_id())}) as run_id:
         client = tracking.client()
-        tags = {**lineage, PIPELINE_RUN_TAG: tracking.parent_run_id, EVALUATION_STATUS_TAG: EVALUATION_PENDING}
+        tags = {**lineage, PIPELINE_RUN_TAG: tracking.parent_run_id}
         reward_version = register(
             client,
             tracking.tracking_uri,
@@ -278,6 +354,7 @@ def register_task(
             {**tags, STAGE_RUN_TAG: str(ppo_output.mlflow_run_id), REWARD_VERSION_TAG: reward_version.version},
             alias=CHALLENGER_ALIAS,
         )
+        tag_version(client, policy_version, evaluation)
     registered = [reward_version, policy_version]
     create_markdown_artifact(
         markdown=registration_markdown(registered), key="register-summary", description="Registered models"

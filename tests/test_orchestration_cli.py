@@ -69,6 +69,6 @@ def test_run_prints_run_directory_data_version_and_mlflow_run(
 
 def test_run_rejects_an_unknown_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli(), ["run", "--stage", "evaluate"])
+    result = CliRunner().invoke(cli(), ["run", "--stage", "deploy"])
     assert result.exit_code != 0
-    assert "'evaluate' is not a valid Stage" in str(result.exception)
+    assert "'deploy' is not a valid Stage" in str(result.exception)

@@ -21,7 +21,8 @@ def declared() -> dict[str, dict]:
 
 
 def test_prefect_yaml_declares_exactly_the_served_deployments(declared: dict[str, dict]) -> None:
-    assert set(declared) == {spec.name for spec in DEPLOYMENTS} == {"rlhf-pipeline", "rlhf-retrain"}
+    served = {spec.name for spec in DEPLOYMENTS}
+    assert set(declared) == served == {"rlhf-pipeline", "rlhf-retrain", "rlhf-promote", "rlhf-human-eval"}
 
 
 @pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)

@@ -4,7 +4,6 @@ when retrying cannot help; a crashed training stage is retried and resumes from 
 deleted stage output is recomputed while unchanged stages stay cached; the training concurrency limit
 lets one training stage hold the machine at a time."""
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
+from fixtures.pairs import write_topic_pairs
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.stages import sft as sft_stage
 from tasks import stages
@@ -24,20 +24,6 @@ from tasks.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def write_pairs(path: Path, count: int, identical: bool = False) -> Path:
-    """`count` synthetic preference pairs, each with its own prompt (identical replies make every row invalid)."""
-    rows = [
-        {
-            "prompt": f"Question {index}: what should I know about topic {index % 7}?",
-            "chosen": f"Here is a careful answer about topic {index % 7}, number {index}.",
-            "rejected": f"Here is a careful answer about topic {index % 7}, number {index}." if identical else "No.",
-        }
-        for index in range(count)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture
@@ -79,7 +65,7 @@ def stage_runs(client: MlflowClient, stage: str) -> list:
 def test_invalid_data_fails_the_flow_and_its_mlflow_runs_without_retrying(
     project: MlflowClient, tmp_path: Path
 ) -> None:
-    data = write_pairs(tmp_path / "identical.jsonl", 40, identical=True)
+    data = write_topic_pairs(tmp_path / "identical.jsonl", 40, identical=True)
     state = rlhf_pipeline(settings(data, list(Stage)), return_state=True)
 
     assert state.is_failed()
@@ -129,7 +115,7 @@ def test_crashed_training_stage_is_retried_and_resumes_from_its_checkpoint(
 
     monkeypatch.setattr(sft_stage, "run_sft", crash_once)
     monkeypatch.setattr(stages.sft_task, "retry_delay_seconds", 0)
-    result = rlhf_pipeline(settings(write_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT]))
+    result = rlhf_pipeline(settings(write_topic_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT]))
 
     assert attempts == [1, 2]
     sft_output = result.outputs["sft"]
@@ -146,7 +132,7 @@ def test_crashed_training_stage_is_retried_and_resumes_from_its_checkpoint(
 
 
 def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(project: MlflowClient, tmp_path: Path) -> None:
-    wanted = settings(write_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT])
+    wanted = settings(write_topic_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT])
     first = rlhf_pipeline(wanted)
     assert first.outputs["sft"].out_dir.parent == first.run_dir
 

@@ -5,8 +5,8 @@ with parameters, as the UI's Run button does.
 One module-scoped scenario runs the tiny pipeline three times and every test asserts on it:
   A. the first run: every stage runs;
   B. the same settings again: every stage is a cache hit, the registry keeps its versions;
-  C. one PPO parameter changed: PPO and registration run again, the stages before it stay cached,
-     and a new policy version becomes the challenger.
+  C. one PPO parameter changed: PPO, evaluation and registration run again, the stages before it stay
+     cached, and a new policy version becomes the challenger.
 (A deleted output being recomputed is checked in tests/test_orchestration_flow.py, in-process.)
 """
 
@@ -29,6 +29,7 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from fixtures.pairs import write_topic_pairs
 from tasks.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
 from tasks.registry import (
@@ -45,23 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "rlhf-pipeline/rlhf-pipeline"
 SERVE_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
-STAGES = ("prepare-data", "sft", "reward", "ppo", "register")
-
-
-def write_pairs(path: Path, count: int) -> Path:
-    """`count` synthetic preference pairs, each with its own prompt."""
-    import json
-
-    rows = [
-        {
-            "prompt": f"Question {index}: what should I know about topic {index % 7}?",
-            "chosen": f"Here is a careful answer about topic {index % 7}, number {index}.",
-            "rejected": "No.",
-        }
-        for index in range(count)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+STAGES = ("prepare-data", "sft", "reward", "ppo", "evaluate", "register")
 
 
 @dataclass
@@ -114,7 +99,7 @@ def run_and_record(parameters: dict) -> PipelineRun:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlflow_server: str) -> Iterator[Scenario]:
     project = tmp_path_factory.mktemp("project")
-    data = write_pairs(project / "pairs.jsonl", 160)
+    data = write_topic_pairs(project / "pairs.jsonl", 160)
     env = {
         **os.environ,
         "PREFECT_API_URL": prefect_server,
@@ -179,6 +164,7 @@ def test_changed_ppo_parameter_reruns_ppo_and_what_follows_only(scenario: Scenar
         "sft": "Cached",
         "reward": "Cached",
         "ppo": "Completed",
+        "evaluate": "Completed",
         "register": "Completed",
     }
 
@@ -221,7 +207,11 @@ def test_policy_challenger_is_registered_with_lineage_and_answers_chat(scenario:
     assert first.tags[PIPELINE_RUN_TAG] == first_parent.info.run_id
     assert challenger.tags[PIPELINE_RUN_TAG] == last_parent.info.run_id
     assert challenger.tags[DATA_VERSION_TAG] == last_parent.data.tags[DATA_VERSION_TAG]
-    assert challenger.tags[EVALUATION_STATUS_TAG] == "pending"
+    assert challenger.tags[EVALUATION_STATUS_TAG] == "evaluated"
+    evaluation = client.get_run(challenger.tags["evaluation.run_id"])
+    assert evaluation.data.tags[STAGE_TAG] == "evaluate"
+    assert evaluation.data.tags[PARENT_RUN_TAG] == last_parent.info.run_id
+    assert challenger.tags["evaluation.win_rate"] == f"{evaluation.data.metrics['final.win_rate']:.6g}"
     assert challenger.tags[STAGE_RUN_TAG] == last_parent.data.tags["stage.ppo.run_id"]
     reward = client.get_model_version("rlhf-reward", challenger.tags[REWARD_VERSION_TAG])
     assert reward.tags[DATA_VERSION_TAG] == challenger.tags[DATA_VERSION_TAG]
@@ -237,8 +227,9 @@ def test_policy_challenger_is_registered_with_lineage_and_answers_chat(scenario:
 
 def test_prefect_artifacts_summarise_each_stage(scenario: Scenario) -> None:
     artifacts = scenario.runs["A"].artifacts
-    for stage in ("prepare-data", "sft", "reward", "ppo"):
+    for stage in ("prepare-data", "sft", "reward", "ppo", "evaluate"):
         assert f"# Stage `{stage}`" in artifacts[f"{stage}-summary"]
+    assert "# Evaluation: PPO policy (A) vs SFT model (B)" in artifacts["evaluate-report"]
     assert "rlhf-policy" in artifacts["register-summary"]
     samples = artifacts["ppo-samples"]
     assert "response" in (samples if isinstance(samples, str) else str(samples))

@@ -12,6 +12,7 @@ from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline, stages_to_run
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
+from rlhf_core.distributed.launcher import RankFailedError
 from tasks.artifacts import read_samples, summary_markdown
 from tasks.caching import stage_cache_key
 from tasks.data_source import resolve_data_source
@@ -113,6 +114,9 @@ def test_cache_key_depends_on_own_sections_and_inputs_only(tiny_config) -> None:
         (RuntimeError("worker lost"), True),
         (MemoryError(), True),
         (OSError("disk hiccup"), True),
+        (RankFailedError("rank 1 failed", 1, "DataValidationError", []), False),
+        (RankFailedError("rank 0 failed", 0, "RuntimeError", []), True),
+        (RankFailedError("launcher died", None, None, []), True),
     ],
 )
 def test_retry_condition_retries_only_what_may_be_transient(error: Exception, retried: bool) -> None:

@@ -4,7 +4,8 @@ Inputs: `data_dir` (prepared data; its `eval` split), `model_a` and `model_b` (s
 such as artifacts/ppo and artifacts/sft, or plain Hugging Face model directories; A is the model under
 evaluation, B the baseline), and the judge: "rm" (default: a reward model, `rm_dir`) or "llm" (an
 OpenAI-compatible API named by environment variables, judges/llm_endpoint.py). Human judging runs in
-the `rlhf-human-eval` Prefect flow, not here.
+the `rlhf-human-eval` Prefect flow, not here. Whether a reward-model judge is in-sample (the reward
+model model A was optimised against) is read from model A's reward record (`judge_in_sample`).
 
 Outputs in `out_dir`:
 
@@ -37,6 +38,7 @@ from rlhf_core.evaluation.generation import Reply, generate_replies
 from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
+from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import Judge
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.outputs import (
@@ -45,13 +47,13 @@ from rlhf_core.evaluation.outputs import (
     read_verdicts,
     verdict_rows,
     write_jsonl,
-    write_text,
 )
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
 from rlhf_core.evaluation.report import JudgedPair, build_report, render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.stages.ppo import model_dir_sha256, reward_record
 from rlhf_core.stages.result import METRICS_FILE, StageResult, write_metrics
 from rlhf_core.training.logger import MetricsLogger, NullLogger
 
@@ -65,8 +67,8 @@ REPORT_MD = "report.md"
 PLOT_FILE = Path("plots") / "win_rate.png"
 JUDGE_CACHE_DIR = "judge_cache"
 HUMAN_JUDGE_MESSAGE = (
-    "human judging is answered by people in the Prefect UI: run the rlhf-human-eval flow; "
-    "`rlhf eval` runs the rm and llm judges"
+    "human judging is answered by people in the Prefect UI: run `rlhf eval` with the rm or llm judge, then "
+    "the rlhf-human-eval deployment (`rlhf serve`, then Run in the UI) on its generations.jsonl"
 )
 
 
@@ -125,6 +127,26 @@ def build_judge(
     )
 
 
+def judge_in_sample(model_a: Path, rm_dir: Path, claimed: bool | None) -> bool:
+    """Whether the reward model in `rm_dir` is the one model A was optimised against (an in-sample judge).
+
+    Model A's reward record decides when it has one (the PPO stage writes it; a policy downloaded from
+    the registry carries one): the same content sha256 is in-sample. Without a record `claimed`
+    decides, and None is taken as in-sample, the safe assumption. Claiming independence of the very
+    reward model the record names is an error.
+    """
+    record = reward_record(model_a)
+    if record is None:
+        return True if claimed is None else claimed
+    in_sample = record["sha256"] == model_dir_sha256(resolve_model_dir(rm_dir, REWARD_MODEL_MARKER))
+    if in_sample and claimed is False:
+        raise ValueError(
+            f"the reward model {rm_dir} is the one model A ({model_a}) was optimised against "
+            f"({record['path']}): it cannot judge as an independent reward model"
+        )
+    return in_sample
+
+
 def run_evaluate(
     config: Config,
     data_dir: Path,
@@ -134,17 +156,19 @@ def run_evaluate(
     judge: JudgeKind = "rm",
     rm_dir: Path | None = None,
     *,
-    rm_in_sample: bool = True,
+    rm_in_sample: bool | None = None,
     other_verdicts: Sequence[Path] = (),
     judge_cache_dir: Path | None = None,
+    names: tuple[str, str] | None = None,
     logger: MetricsLogger | None = None,
 ) -> StageResult:
     """Compare model A with model B on the eval split; see the module docstring.
 
-    `rm_in_sample`: whether the reward model judging is the one PPO optimised against (the default,
-    the safe assumption: the report then flags the verdicts as in-sample); pass False for an
-    independent reward model. `other_verdicts`: verdicts.jsonl files of other judges on the same pairs,
-    for agreement figures. `judge_cache_dir`: the LLM judge's cache (default `out_dir/judge_cache`).
+    `rm_in_sample`: whether the reward model judging is the one PPO optimised against, for a model A
+    that does not record its reward model (`judge_in_sample`; None: assume so, and the report flags
+    the verdicts as in-sample). `other_verdicts`: verdicts.jsonl files of other judges on the same
+    pairs, for agreement figures. `judge_cache_dir`: the LLM judge's cache (default
+    `out_dir/judge_cache`). `names`: how the report names A and B (default: the paths given).
     """
     started = time.perf_counter()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -153,6 +177,7 @@ def run_evaluate(
     endpoint = LlmEndpoint.from_environment(config.evaluation.llm_model) if judge == "llm" else None
     if rm_dir is not None:
         resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)  # fail now, not after generating
+    in_sample = judge == "rm" and rm_dir is not None and judge_in_sample(Path(model_a), rm_dir, rm_in_sample)
     dir_a, dir_b = resolve_model_dir(model_a), resolve_model_dir(model_b)
     others = dict(read_verdicts(Path(path)) for path in other_verdicts)
     prompts = evaluation_prompts(data_dir, config.evaluation.max_prompts)
@@ -179,7 +204,7 @@ def run_evaluate(
     generated = read_generations(out_dir / GENERATIONS_FILE)  # the judge sees exactly what was stored
 
     judge_impl = build_judge(
-        config, judge, rm_dir, rm_in_sample, endpoint, judge_cache_dir or out_dir / JUDGE_CACHE_DIR, device
+        config, judge, rm_dir, in_sample, endpoint, judge_cache_dir or out_dir / JUDGE_CACHE_DIR, device
     )
     judgements = judge_impl.judge([item.pair for item in generated])
     info = judge_impl.info()
@@ -192,15 +217,14 @@ def run_evaluate(
             for item, judgement in zip(generated, judgements)
         ],
         info,
-        str(model_a),
-        str(model_b),
+        *(names or (str(model_a), str(model_b))),
         config.evaluation.generation,
         config.seed,
         alignment_tax=AlignmentTax(replies=measured, perplexity_a=perplexity_a, perplexity_b=perplexity_b),
         other_judges=others,
     )
-    write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
-    write_text(out_dir / REPORT_MD, render_markdown(report))
+    atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
+    atomic_write_text(out_dir / REPORT_MD, render_markdown(report))
     plot_win_tie_lose(report, out_dir / PLOT_FILE)
     metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
     logger.log_metrics({"progress": 1.0}, step=4)

@@ -14,6 +14,11 @@ Outputs in `out_dir`:
     plots/*.png       the paper's Figure 4 panels: reward, KL, perplexity, response length
     checkpoints/      step-*/ (the newest `ppo.keep_checkpoints`) for exact resume, and best/
     guard_stop.txt    only when the collapse guard stopped the run: its message
+    reward_model.json the reward model PPO optimised against: its path and content sha256, so an
+                      evaluation can tell whether its reward-model judge is in-sample (`reward_record`)
+
+Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs `run_ppo`; the batch
+settings are per rank (rlhf_core/ppo/trainer.py) and only rank 0 writes the outputs above.
 
 Rerunning with the same `out_dir` resumes from the newest checkpoint. A run stopped by the collapse
 guard is still a completed stage: its output is the best policy validated before the stop.
@@ -21,6 +26,7 @@ guard is still a completed stage: its output is the best policy validated before
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -29,9 +35,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_core.atomic import atomic_directory
+from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import Config
 from rlhf_core.data.prepare import load_split
+from rlhf_core.distributed.context import stage_context
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
@@ -56,6 +63,8 @@ from rlhf_core.stages.result import (
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger
 
 GUARD_STOP_FILE = "guard_stop.txt"
+REWARD_RECORD_FILE = "reward_model.json"
+READ_CHUNK_BYTES = 1 << 20
 HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "response/length_mean")
 
 
@@ -64,15 +73,18 @@ def load_ppo_models(
 ) -> tuple[PPOModels, PreTrainedTokenizerBase]:
     """Policy and frozen reference from the SFT model, frozen reward model, critic per `critic_init`.
 
+    The two frozen models are loaded in `ppo.frozen_models_dtype` (bf16 halves their memory; they only
+    run forward passes, whose log-probs and scores are upcast to fp32), the trained ones in `model.dtype`.
     Refuses a reward model whose tokenizer differs from the policy's: it would score other text
     than the policy wrote.
     """
     read_metrics(sft_dir)  # raises unless the SFT stage completed
     read_metrics(rm_dir)
     dtype = DTYPES[config.model.dtype]
+    frozen_dtype = DTYPES[config.ppo.frozen_models_dtype or config.model.dtype]
     policy, tokenizer = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
-    reference, _ = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
-    reward_model = RewardModel.from_pretrained(rm_dir / "model", dtype=dtype, device=device)
+    reference, _ = load_causal_lm(sft_dir / "model", dtype=frozen_dtype, device=device)
+    reward_model = RewardModel.from_pretrained(rm_dir / "model", dtype=frozen_dtype, device=device)
     reward_model.requires_grad_(False)
     if load_tokenizer(rm_dir / "model").get_vocab() != tokenizer.get_vocab():
         raise ValueError(
@@ -130,6 +142,7 @@ def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time:
         "val/reward_initial": result.initial_reward,
         "val/reward_gain": result.best_reward - result.initial_reward,
         "guard_stopped": float(result.stop is not None),
+        "resumed_from": float(result.resumed_from),  # the restored checkpoint's iteration (0: fresh start)
         "wall_time_s": wall_time,  # of this invocation (a resumed run counts only its own part)
     }
     if result.stop is not None:
@@ -168,14 +181,24 @@ def run_ppo(
 ) -> StageResult:
     """Train the policy with PPO-max (resuming from `out_dir/checkpoints` if possible); see module doc."""
     started = time.perf_counter()
+    context = stage_context(config.distributed)
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
     trainer = PPOTrainer(
-        models, tokenizer, load_ppo_data(config, data_dir), config.ppo, config.seed, config.distributed.bf16
+        models,
+        tokenizer,
+        load_ppo_data(config, data_dir),
+        config.ppo,
+        config.seed,
+        config.distributed.bf16,
+        config.distributed,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
+    if not context.is_main:  # the other ranks train alongside and write nothing
+        result = fit(trainer, out_dir / "checkpoints")
+        return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
     history = JsonlLogger(out_dir / "history.jsonl")
     samples = SampleTable(out_dir / "samples.jsonl")
     run_logger = MultiLogger([history, logger]) if logger is not None else history
@@ -191,6 +214,7 @@ def run_ppo(
     rows = read_history(out_dir / "history.jsonl")
     plot_figure_4(rows, out_dir / "plots")
     metrics = stage_metrics(result, rows, time.perf_counter() - started)
+    write_reward_record(out_dir, rm_dir)
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / "model")
 
@@ -199,3 +223,33 @@ def guard_message(out_dir: Path) -> str | None:
     """The collapse guard's message of a completed run it stopped, else None."""
     path = Path(out_dir) / GUARD_STOP_FILE
     return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def model_dir_sha256(model_dir: Path) -> str:
+    """One sha256 over the relative path and the sha256 of every file of a model directory, sorted.
+
+    The same digest as the orchestration layer's `directory_sha256` of a model directory (the registry's
+    content tag), so a registered reward model and a PPO run's record can be compared.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(item for item in Path(model_dir).rglob("*") if item.is_file()):
+        file_digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(READ_CHUNK_BYTES):
+                file_digest.update(chunk)
+        digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
+        digest.update(file_digest.hexdigest().encode() + b"\n")
+    return digest.hexdigest()
+
+
+def write_reward_record(out_dir: Path, rm_dir: Path) -> None:
+    """`out_dir/reward_model.json`: which reward model (`rm_dir/model`) this policy was optimised against."""
+    record = {"path": str(Path(rm_dir).resolve()), "sha256": model_dir_sha256(Path(rm_dir) / "model")}
+    atomic_write_text(Path(out_dir) / REWARD_RECORD_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def reward_record(policy_dir: Path) -> dict[str, str] | None:
+    """The reward-model record (`path`, `sha256`) next to a policy (a PPO output, or a policy directory
+    that carries one), or None when the policy does not say which reward model trained it."""
+    path = Path(policy_dir) / REWARD_RECORD_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

@@ -1,0 +1,133 @@
+"""The `rlhf-promote` flow: make the `challenger` policy the `champion` if the evidence says so, or roll back.
+
+Mode `evaluate` (the default):
+1. find the `challenger` and `champion` versions of the policy (`tracking.policy_model_name`); a
+   challenger that already is the champion leaves everything as it is;
+2. evaluate the challenger (A) against the champion (B), or, before the first promotion, against the
+   SFT model it was trained from, on the held-out prompts of the data it was trained on (both named by
+   its lineage tags, so this runs where the pipeline ran), judged as `evaluation.judge` says. The
+   evaluation is the pipeline's evaluate task, cached on content, in an MLflow run nested under this
+   flow's own parent run;
+3. apply the gate of `promotion` in params.yaml (tasks/promotion.py); a pass moves `champion` and tags
+   the version with the decision and its evidence, a fail leaves the registry unchanged.
+`override` promotes whatever the gate says; it requires a `reason` (the form refuses it without one),
+which is recorded on the version.
+
+Mode `rollback`: move `champion` back to the version the current champion replaced.
+
+Either way the flow's result (`PromotionResult`) and its markdown artifact `promotion-decision` say what
+was decided and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flows.pipeline import CACHE_DIR_NAME, run_directory
+from rlhf_core.config import Config, load_config
+from tasks.caching import with_cache_dir
+from tasks.evaluation import evaluate_task
+from tasks.lineage import flow_run_tags
+from tasks.mlflow_runs import close_run, open_pipeline_run
+from tasks.promotion import (
+    PromotionResult,
+    decide_task,
+    evaluation_inputs_task,
+    find_candidates_task,
+    rollback_task,
+)
+from tasks.stages import StageContext
+from tasks.tracking import resolve_tracking_uri
+
+FLOW_TAG = "rlhf.flow"
+
+
+class PromoteSettings(BaseModel):
+    """What a promotion run is asked to do (the form of the Run dialog in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["evaluate", "rollback"] = Field(
+        "evaluate",
+        description="evaluate: gate the challenger against the champion (or the SFT model); "
+        "rollback: move champion back to the version it replaced.",
+    )
+    override: bool = Field(False, description="Promote the challenger even if it fails the gate (needs a reason).")
+    reason: str = Field("", description="Why: required with override; recorded on the model version.")
+    config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
+    overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
+    params_file: str = Field("params.yaml", description="The base parameter file.")
+    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+
+    @model_validator(mode="after")
+    def _override_needs_a_reason(self) -> PromoteSettings:
+        if self.override and not self.reason.strip():
+            raise ValueError("override needs a reason: say why the gate is overridden (it is recorded on the version)")
+        if self.override and self.mode == "rollback":
+            raise ValueError("override applies to mode evaluate, not to a rollback")
+        return self
+
+
+DEFAULT_SETTINGS = PromoteSettings()
+
+
+@flow(name="rlhf-promote", description="Gate the challenger policy against the champion; promote or roll back.")
+def rlhf_promote(settings: PromoteSettings = DEFAULT_SETTINGS) -> PromotionResult:
+    """Promote (or not) or roll back, as `settings` asks; see the module docstring."""
+    logger = get_run_logger()
+    project_dir = Path.cwd()
+    config = load_config(settings.params_file, settings.config, settings.overrides)
+    tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri, project_dir)
+    reason = settings.reason.strip() or None
+    if settings.mode == "rollback":
+        result = rollback_task(config, tracking_uri, reason)
+    else:
+        override_reason = reason if settings.override else None
+        result = evaluate_and_decide(config, Path(settings.runs_dir), project_dir, tracking_uri, override_reason)
+    create_markdown_artifact(markdown=result.markdown(), key="promotion-decision", description="Promotion decision")
+    logger.info("%s: %s", result.decision, result.message)
+    return result
+
+
+def evaluate_and_decide(
+    config: Config, runs_dir: Path, project_dir: Path, tracking_uri: str, override_reason: str | None
+) -> PromotionResult:
+    """Steps 1-3 of the module docstring, the evaluation in this flow's own MLflow parent run."""
+    candidates = find_candidates_task(config, tracking_uri)
+    if candidates.champion == candidates.challenger:
+        return PromotionResult(
+            decision="unchanged",
+            model=candidates.model,
+            challenger=candidates.challenger,
+            champion_before=candidates.champion,
+            champion_after=candidates.champion,
+            message=f"Version {candidates.challenger} already is the champion; nothing to decide.",
+        )
+    runs_dir = runs_dir.resolve()
+    run_dir = run_directory(runs_dir)
+    tracking = open_pipeline_run(
+        config, project_dir, run_name=f"promote-{run_dir.name}", tags={**flow_run_tags(), FLOW_TAG: "rlhf-promote"}
+    )
+    context = StageContext(run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking)
+    try:
+        inputs = evaluation_inputs_task(config, candidates, tracking_uri, context.cache_dir)
+        evaluation = with_cache_dir(evaluate_task, context.cache_dir)(
+            config,
+            inputs.data,
+            inputs.challenger,
+            inputs.baseline,
+            inputs.judge,
+            context,
+            names=(f"{candidates.model} version {candidates.challenger} (challenger)", inputs.baseline_name),
+        )
+        result = decide_task(config, candidates, evaluation, inputs.baseline_name, tracking_uri, override_reason)
+    except BaseException as error:
+        close_run(tracking.client(), tracking.parent_run_id, error)
+        raise
+    close_run(tracking.client(), tracking.parent_run_id)
+    return result

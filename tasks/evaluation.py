@@ -1,0 +1,312 @@
+"""The evaluate stage as a Prefect task, and the models it compares, wherever they are.
+
+- `evaluate_task`: model A (the PPO policy, or a challenger) against model B (the SFT model, or the
+  champion) on the held-out prompts, through `rlhf_core.stages.evaluate.run_evaluate`. Like the other
+  stage tasks (tasks/stages.py) it is cached on content (the data, both models, the judge, the config
+  sections it reads), holds this machine's training slot while it generates, and runs in a nested
+  MLflow run. That run holds the figures of metrics.json as `final.*` metrics (win/tie/lose rates and
+  win minus loss with their intervals, lengths, alignment tax), the per-pair table (`pairs.json`, via
+  `log_table`), the Figure-10 chart (`plots/win_rate.png`), report.md and report.json; the report is
+  also a Prefect markdown artifact (`evaluate-report`).
+- `JudgeSpec`: which judge, and what pins it for the cache key: the reward model's content hash, or
+  the LLM judge's model name. Whether a reward-model judge is in-sample is decided by `run_evaluate`
+  from model A's record of the reward model PPO optimised against.
+- `resolve_model_reference`: a directory stays as it is; an MLflow `models:/name@alias` or
+  `models:/name/3` is downloaded once into a local directory in Hugging Face layout (the policy's
+  weights and tokenizer; the reward model's directory), with the policy's reward record rebuilt from
+  its registry tags, so that the in-sample check works on registered models too.
+- `evaluation_tags` and `evaluation_summary`: what the registered version and `rlhf run` say of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from rlhf_core.atomic import atomic_directory
+from rlhf_core.config import Config
+from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
+from rlhf_core.evaluation.outputs import read_jsonl
+from rlhf_core.evaluation.report import EvaluationReport, Rate
+from rlhf_core.stages.evaluate import (
+    GENERATIONS_FILE,
+    PLOT_FILE,
+    REPORT_JSON,
+    REPORT_MD,
+    VERDICTS_FILE,
+    run_evaluate,
+)
+from rlhf_core.stages.ppo import REWARD_RECORD_FILE
+from tasks.caching import StageCachePolicy
+from tasks.concurrency import training_slot
+from tasks.outputs import StageOutput, directory_sha256
+from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG
+from tasks.stages import STAGE_SECTIONS, STAGE_TASK_OPTIONS, StageContext, tracked_stage
+from tasks.tracking import resolve_tracking_uri
+
+MODELS_URI_PREFIX = "models:/"
+REGISTRY_STAGE = "registry"  # the `stage` of a StageOutput downloaded from the model registry
+PAIRS_TABLE = "pairs.json"
+EVALUATED = "evaluated"
+EVALUATION_TAG_PREFIX = "evaluation."
+# The figures of metrics.json that go on the evaluated version as tags.
+HEADLINE_FIGURES = (
+    "win_rate",
+    "tie_rate",
+    "lose_rate",
+    "win_minus_loss",
+    "win_minus_loss_low",
+    "win_minus_loss_high",
+    "valid_pairs",
+    "alignment_tax",
+)
+
+
+class JudgeSpec(BaseModel):
+    """The judge of an evaluation: a reward model (`reward`, a stage output or a downloaded reward
+    model) or an LLM (`llm_model`, the judge model the endpoint serves)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["rm", "llm"]
+    reward: StageOutput | None = None
+    llm_model: str | None = None
+
+    @property
+    def content_hash(self) -> str:
+        """What enters the evaluation's cache key: the kind and the reward model's hash or the LLM's name."""
+        identity = {"kind": self.kind, "reward": self.reward.sha256 if self.reward else None, "llm": self.llm_model}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def judge_spec(config: Config, reward: StageOutput) -> JudgeSpec:
+    """The judge `evaluation.judge` names, with `reward` as the reward model of the rm judge.
+
+    People judge in the rlhf-human-eval flow, not inside a pipeline run, so with `human` the pipeline's
+    evaluation uses the reward model (and says so in the log); the LLM judge needs its endpoint's
+    variables set (checked here, before any work).
+    """
+    judge = config.evaluation.judge
+    if judge == "llm":
+        return JudgeSpec(kind="llm", llm_model=LlmEndpoint.from_environment(config.evaluation.llm_model).model)
+    if judge == "human":
+        get_run_logger().warning(
+            "evaluation.judge is human: people judge in the rlhf-human-eval flow; this evaluation uses the reward model"
+        )
+    return JudgeSpec(kind="rm", reward=reward)
+
+
+@task(
+    name="evaluate",
+    cache_policy=StageCachePolicy(
+        stage="evaluate",
+        config_sections=STAGE_SECTIONS["evaluate"],
+        content_inputs=("data", "model_a", "model_b", "judge"),
+    ),
+    **STAGE_TASK_OPTIONS,
+)
+def evaluate_task(
+    config: Config,
+    data: StageOutput,
+    model_a: StageOutput,
+    model_b: StageOutput,
+    judge: JudgeSpec,
+    context: StageContext,
+    names: tuple[str, str],
+) -> StageOutput:
+    """Model A against model B on the eval split of `data` (rlhf_core.stages.evaluate); `names` label
+    them in the report (they do not enter the cache key)."""
+    with training_slot(), tracked_stage("evaluate", config, context) as run:
+        run_evaluate(
+            config,
+            data.out_dir,
+            model_a.out_dir,
+            model_b.out_dir,
+            run.out_dir,
+            judge=judge.kind,
+            rm_dir=judge.reward.out_dir if judge.reward is not None else None,
+            names=names,
+            logger=run.progress_logger(),
+        )
+        output = run.finish(model_dir=None)
+        log_evaluation(run.client, run.run_id, output.out_dir)
+    create_markdown_artifact(
+        markdown=(output.out_dir / REPORT_MD).read_text(encoding="utf-8"),
+        key="evaluate-report",
+        description="Evaluation report (paper section 6)",
+    )
+    return output
+
+
+def log_evaluation(client: MlflowClient, run_id: str, out_dir: Path) -> None:
+    """report.md and report.json as artifacts, and one table row per judged pair (`pairs.json`).
+
+    (metrics.json, the `final.*` metrics and plots/win_rate.png are logged by `StageRun.finish`.)
+    """
+    for name in (REPORT_MD, REPORT_JSON):
+        client.log_artifact(run_id, str(out_dir / name))
+    client.log_table(run_id, data=pd.DataFrame(pair_rows(out_dir)), artifact_file=PAIRS_TABLE)
+
+
+def pair_rows(out_dir: Path) -> list[dict[str, object]]:
+    """Each pair's prompt (its last message), both replies, their lengths, the verdict and the judge's detail."""
+    rows = []
+    for generated, verdict in zip(read_jsonl(out_dir / GENERATIONS_FILE), read_jsonl(out_dir / VERDICTS_FILE)):
+        detail = {key: value for key, value in verdict.items() if isinstance(value, (int, float, str))}
+        rows.append(
+            {
+                **detail,
+                "prompt": generated["prompt"][-1]["content"],
+                "reply_a": generated["reply_a"],
+                "reply_b": generated["reply_b"],
+            }
+        )
+    return rows
+
+
+def read_report(output: StageOutput) -> EvaluationReport:
+    """The EvaluationReport (report.json) of a finished evaluation."""
+    return EvaluationReport.model_validate_json((output.out_dir / REPORT_JSON).read_text(encoding="utf-8"))
+
+
+def evaluation_tags(output: StageOutput) -> dict[str, str]:
+    """Tags for the evaluated model version: status, the MLflow run, judge, baseline and headline figures."""
+    report = read_report(output)
+    tags = {
+        EVALUATION_STATUS_TAG: EVALUATED,
+        f"{EVALUATION_TAG_PREFIX}run_id": str(output.mlflow_run_id),
+        f"{EVALUATION_TAG_PREFIX}judge": report.judge.kind,
+        f"{EVALUATION_TAG_PREFIX}judge_in_sample": str(report.judge.in_sample).lower(),
+        f"{EVALUATION_TAG_PREFIX}baseline": report.model_b,
+    }
+    tags |= {
+        f"{EVALUATION_TAG_PREFIX}{name}": f"{output.metrics[name]:.6g}"
+        for name in HEADLINE_FIGURES
+        if name in output.metrics
+    }
+    return tags
+
+
+def _percent(rate: Rate | None) -> str:
+    return "n/a" if rate is None else f"{rate.rate:.1%}"
+
+
+def evaluation_summary(output: StageOutput) -> list[str]:
+    """The lines `rlhf run` ends with: who judged, the rates, win minus loss with its interval, where to look."""
+    report = read_report(output)
+    overall = report.overall
+    judge = "reward model" if report.judge.kind == "rm" else f"LLM ({report.judge.name})"
+    in_sample = ", IN-SAMPLE: the reward model PPO optimised against" if report.judge.in_sample else ""
+    margin = overall.win_minus_loss
+    interval = "n/a" if margin is None else f"{margin.rate:+.1%} (95% CI {margin.low:+.1%} to {margin.high:+.1%})"
+    return [
+        f"evaluation: {report.model_a} (A) vs {report.model_b} (B), judged by the {judge}{in_sample}",
+        (
+            f"  {overall.valid} valid pairs of {overall.pairs}: A wins {_percent(overall.win)}, ties "
+            f"{_percent(overall.tie)}, B wins {_percent(overall.lose)}; win - lose {interval}"
+        ),
+        f"  report: {output.out_dir / REPORT_MD}; chart: {output.out_dir / PLOT_FILE}; MLflow run {output.mlflow_run_id}",
+    ]
+
+
+# ---- models named by a directory or an MLflow registry URI
+
+
+def is_registry_uri(reference: str | Path) -> bool:
+    """Whether `reference` is an MLflow `models:/` URI rather than a directory."""
+    return str(reference).startswith(MODELS_URI_PREFIX)
+
+
+def registered_version(client: MlflowClient, uri: str) -> ModelVersion:
+    """The model version `models:/name@alias` or `models:/name/<version>` points at."""
+    body = uri.removeprefix(MODELS_URI_PREFIX)
+    if "@" in body:
+        name, alias = body.rsplit("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    name, _, number = body.rpartition("/")
+    if not name or not number.isdigit():
+        raise ValueError(f"{uri}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    return client.get_model_version(name, number)
+
+
+def download_version(
+    client: MlflowClient, tracking_uri: str, version: ModelVersion, reward_model_name: str, cache_root: Path
+) -> StageOutput:
+    """The version's model as a local Hugging Face directory under `cache_root` (downloaded once).
+
+    The directory is named by the model, the version and a hash of the tracking URI and the version's
+    content tag, so two registries never share one. A policy version that names its reward model
+    (`rlhf.reward_model_version`) gets the reward record PPO wrote, rebuilt from that version's
+    content tag.
+    """
+    identity = f"{tracking_uri}\n{version.name}\n{version.version}\n{version.tags.get(CONTENT_TAG, '')}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    target = Path(cache_root) / f"{version.name}-v{version.version}-{key}"
+    if not target.is_dir():
+        with atomic_directory(target) as temporary:
+            download = Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"{MODELS_URI_PREFIX}{version.name}/{version.version}",
+                    dst_path=str(temporary / "download"),
+                    tracking_uri=tracking_uri,
+                )
+            )
+            copy_model_files(download, temporary)
+            shutil.rmtree(download)
+            if REWARD_VERSION_TAG in version.tags:
+                reward = client.get_model_version(reward_model_name, version.tags[REWARD_VERSION_TAG])
+                record = {
+                    "path": f"{MODELS_URI_PREFIX}{reward.name}/{reward.version}",
+                    "sha256": reward.tags[CONTENT_TAG],
+                }
+                (temporary / REWARD_RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return StageOutput(stage=REGISTRY_STAGE, out_dir=target, sha256=directory_sha256(target), model_dir=target)
+
+
+def copy_model_files(download: Path, target: Path) -> None:
+    """Copy a downloaded MLflow model's Hugging Face files flat into `target`.
+
+    The policy (transformers flavour) keeps its weights and config in `model/` and its tokenizer in
+    `components/tokenizer/`; the reward model (a pyfunc, tasks/reward_scorer.py) keeps its whole
+    directory as the one artifact in `artifacts/`.
+    """
+    if (download / "model" / "config.json").is_file():
+        sources = [download / "model", download / "components" / "tokenizer"]
+    else:
+        sources = [path for path in (download / "artifacts").iterdir() if path.is_dir()]
+        if len(sources) != 1:
+            raise ValueError(f"{download}: not a policy or reward model logged by this pipeline")
+    for source in sources:
+        shutil.copytree(source, target, dirs_exist_ok=True)
+
+
+def resolve_model_output(reference: str, tracking_uri: str, reward_model_name: str, cache_root: Path) -> StageOutput:
+    """A stage output or model directory as it is, or a `models:/` URI downloaded into `cache_root`."""
+    if not is_registry_uri(reference):
+        path = Path(reference).resolve()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model {reference}: no such directory")
+        model_dir = path / "model" if (path / "model").is_dir() else path
+        return StageOutput(stage=path.name, out_dir=path, sha256=directory_sha256(model_dir), model_dir=model_dir)
+    client = MlflowClient(tracking_uri)
+    return download_version(client, tracking_uri, registered_version(client, reference), reward_model_name, cache_root)
+
+
+def resolve_model_reference(reference: str, config: Config, cache_root: Path) -> Path:
+    """The local directory `reference` names: itself, or a `models:/` URI's download (`rlhf eval`)."""
+    if not is_registry_uri(reference):
+        return Path(reference)
+    tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri, Path.cwd())
+    return resolve_model_output(reference, tracking_uri, config.tracking.reward_model_name, cache_root).out_dir

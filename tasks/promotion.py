@@ -1,0 +1,327 @@
+"""Promotion through the MLflow registry: the `challenger` policy becomes the `champion` only on evidence.
+
+The rlhf-promote flow (flows/promote.py) evaluates the `challenger` version of the policy against the
+`champion` version, or, while there is no champion yet, against the SFT model the challenger was
+trained from (named by its `lineage.sft.*` tags). Then it applies the gate of `promotion` in
+params.yaml:
+
+- `win_minus_loss_low`: the lower end of the 95% paired bootstrap interval of win rate minus lose rate
+  must exceed `min_win_minus_loss_low`: the challenger wins more often than it loses, beyond chance;
+- `kl_to_reference`: the policy's per-token KL to its reference on held-out prompts (`val/kl_best` of
+  its PPO run, the figure the best policy was chosen under) must be at most `max_kl`: it did not win by
+  drifting far from the SFT model (paper 5.2);
+- `no_collapse`: with `require_no_collapse`, its PPO run was not stopped by the collapse guard
+  (`guard_stopped`).
+
+A pass moves `champion` to the challenger and tags that version with the decision and its evidence
+(`promotion.*`). A fail leaves the registry as it was and says why. An override promotes whatever the
+gate says, and needs a reason, which is recorded. Every promoted version records the champion it
+replaced (`promotion.previous_champion`): a rollback moves `champion` back to it, so repeated
+rollbacks walk back through the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict
+
+from rlhf_core.config import Config, PromotionConfig
+from tasks.evaluation import JudgeSpec, download_version, judge_spec, resolve_model_output
+from tasks.outputs import StageOutput
+from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, STAGE_RUN_TAG, lineage_output
+from tasks.retries import is_retryable
+from tasks.stages import FINAL_METRIC_PREFIX
+
+CHAMPION_ALIAS = "champion"
+PROMOTION_TAG_PREFIX = "promotion."
+DECISION_TAG = "promotion.decision"
+PREVIOUS_CHAMPION_TAG = "promotion.previous_champion"
+NO_VERSION = "none"
+REGISTRY_CACHE_SUBDIR = "registry"
+# Registry calls are retried on transient failures (not on a missing alias or tag: a ValueError).
+REGISTRY_TASK_OPTIONS: dict[str, Any] = {
+    "cache_policy": NO_CACHE,
+    "retries": 2,
+    "retry_delay_seconds": 10,
+    "retry_condition_fn": is_retryable,
+}
+
+Decision = Literal["promoted", "promoted-by-override", "rejected", "unchanged", "rolled-back"]
+
+
+class GateCheck(BaseModel):
+    """One condition of the gate: the figure, the bound it is held to, and whether it holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    value: float | None  # None: the figure is missing, which fails the check
+    bound: str
+    passed: bool
+
+    def describe(self) -> str:
+        """e.g. `win_minus_loss_low = 0.125 (> 0): pass`."""
+        value = "missing" if self.value is None else f"{self.value:.6g}"
+        return f"{self.name} = {value} ({self.bound}): {'pass' if self.passed else 'FAIL'}"
+
+
+def gate_checks(
+    settings: PromotionConfig, evaluation: Mapping[str, float], training: Mapping[str, float]
+) -> list[GateCheck]:
+    """The gate's checks on the evaluation figures (metrics.json of the evaluation) and the PPO run's."""
+    low = evaluation.get("win_minus_loss_low")
+    checks = [
+        GateCheck(
+            name="win_minus_loss_low",
+            value=low,
+            bound=f"> {settings.min_win_minus_loss_low:g}",
+            passed=low is not None and low > settings.min_win_minus_loss_low,
+        )
+    ]
+    if settings.max_kl is not None:
+        kl = training.get("val/kl_best")
+        checks.append(
+            GateCheck(
+                name="kl_to_reference",
+                value=kl,
+                bound=f"<= {settings.max_kl:g}",
+                passed=kl is not None and kl <= settings.max_kl,
+            )
+        )
+    if settings.require_no_collapse:
+        stopped = training.get("guard_stopped")
+        checks.append(GateCheck(name="no_collapse", value=stopped, bound="guard_stopped == 0", passed=stopped == 0.0))
+    return checks
+
+
+class Candidates(BaseModel):
+    """The policy versions a promotion is about: the challenger and the current champion (if any)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    challenger: str
+    champion: str | None
+
+
+class EvaluationInputs(BaseModel):
+    """What the promotion's evaluation compares, on which prompts, judged by whom."""
+
+    model_config = ConfigDict(frozen=True)
+
+    data: StageOutput
+    challenger: StageOutput
+    baseline: StageOutput
+    baseline_name: str
+    judge: JudgeSpec
+
+
+class PromotionResult(BaseModel):
+    """What a promotion flow run decided, on what evidence, and where `champion` points now."""
+
+    decision: Decision
+    model: str
+    challenger: str | None = None
+    champion_before: str | None = None
+    champion_after: str | None = None
+    baseline: str | None = None
+    checks: list[GateCheck] = []
+    evaluation_run_id: str | None = None
+    reason: str | None = None
+    message: str
+
+    def markdown(self) -> str:
+        """The Prefect artifact: the decision first, then the evidence."""
+        lines = [
+            f"# Promotion of `{self.model}`: {self.decision}",
+            "",
+            self.message,
+            "",
+            f"- challenger: {self.challenger or 'n/a'}",
+            f"- champion before: {self.champion_before or 'none'}; after: {self.champion_after or 'none'}",
+        ]
+        if self.baseline:
+            lines.append(f"- compared against: {self.baseline}")
+        if self.evaluation_run_id:
+            lines.append(f"- evaluation MLflow run: {self.evaluation_run_id}")
+        if self.reason:
+            lines.append(f"- reason given: {self.reason}")
+        if self.checks:
+            lines += ["", "| check | value | bound | result |", "|---|---|---|---|"]
+            lines += [
+                f"| {check.name} | {'missing' if check.value is None else f'{check.value:.6g}'} | {check.bound} | "
+                f"{'pass' if check.passed else 'FAIL'} |"
+                for check in self.checks
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def champion_version(client: MlflowClient, name: str) -> str | None:
+    """The version the `champion` alias points at, or None before the first promotion."""
+    return client.get_registered_model(name).aliases.get(CHAMPION_ALIAS)
+
+
+def training_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, float]:
+    """The final figures of the PPO run that trained `version` (metrics.json, logged as `final.*`)."""
+    if STAGE_RUN_TAG not in version.tags:
+        raise ValueError(f"{version.name} version {version.version} has no {STAGE_RUN_TAG} tag naming its PPO run")
+    metrics = client.get_run(version.tags[STAGE_RUN_TAG]).data.metrics
+    return {
+        name.removeprefix(FINAL_METRIC_PREFIX): value
+        for name, value in metrics.items()
+        if name.startswith(FINAL_METRIC_PREFIX)
+    }
+
+
+@task(name="find-candidates", **REGISTRY_TASK_OPTIONS)
+def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
+    """The `challenger` and `champion` versions of the policy; no challenger is an error."""
+    name = config.tracking.policy_model_name
+    client = MlflowClient(tracking_uri)
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException as error:
+        if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+        raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first") from error
+    if CHALLENGER_ALIAS not in aliases:
+        raise ValueError(f"{name} has no {CHALLENGER_ALIAS!r} version to promote: run the pipeline first")
+    return Candidates(model=name, challenger=aliases[CHALLENGER_ALIAS], champion=aliases.get(CHAMPION_ALIAS))
+
+
+@task(name="evaluation-inputs", **REGISTRY_TASK_OPTIONS)
+def evaluation_inputs_task(
+    config: Config, candidates: Candidates, tracking_uri: str, cache_dir: Path
+) -> EvaluationInputs:
+    """Download the challenger (and the champion), find the data and SFT model of its lineage, pick the judge.
+
+    The judge is `evaluation.judge`; a reward-model judge is `promotion.judge_reward_model` if set, else
+    the reward model the challenger was optimised against (in-sample, and the report says so).
+    """
+    client = MlflowClient(tracking_uri)
+    registry_cache = cache_dir / REGISTRY_CACHE_SUBDIR
+    reward_name = config.tracking.reward_model_name
+    challenger = client.get_model_version(candidates.model, candidates.challenger)
+    if candidates.champion is not None:
+        champion = client.get_model_version(candidates.model, candidates.champion)
+        baseline = download_version(client, tracking_uri, champion, reward_name, registry_cache)
+        baseline_name = f"{candidates.model} version {candidates.champion} ({CHAMPION_ALIAS})"
+    else:
+        baseline = lineage_output(challenger.tags, "sft")
+        baseline_name = f"SFT model of version {candidates.challenger} ({baseline.out_dir})"
+    judge_reward = config.promotion.judge_reward_model or f"models:/{reward_name}/{challenger.tags[REWARD_VERSION_TAG]}"
+    return EvaluationInputs(
+        data=lineage_output(challenger.tags, "prepare-data"),
+        challenger=download_version(client, tracking_uri, challenger, reward_name, registry_cache),
+        baseline=baseline,
+        baseline_name=baseline_name,
+        judge=judge_spec(config, resolve_model_output(judge_reward, tracking_uri, reward_name, registry_cache)),
+    )
+
+
+def evidence_tags(result: PromotionResult) -> dict[str, str]:
+    """The `promotion.*` tags of a promoted version: the decision, what it replaced, and the evidence."""
+    tags = {
+        DECISION_TAG: result.decision,
+        PREVIOUS_CHAMPION_TAG: result.champion_before or NO_VERSION,
+        f"{PROMOTION_TAG_PREFIX}decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        f"{PROMOTION_TAG_PREFIX}flow_run_id": str(flow_run.get_id()),
+        f"{PROMOTION_TAG_PREFIX}baseline": str(result.baseline),
+        f"{PROMOTION_TAG_PREFIX}evaluation_run_id": str(result.evaluation_run_id),
+        f"{PROMOTION_TAG_PREFIX}gate": "passed" if all(check.passed for check in result.checks) else "failed",
+    }
+    tags |= {f"{PROMOTION_TAG_PREFIX}check.{check.name}": check.describe() for check in result.checks}
+    if result.reason:
+        tags[f"{PROMOTION_TAG_PREFIX}override_reason"] = result.reason
+    return tags
+
+
+@task(name="decide", **REGISTRY_TASK_OPTIONS)
+def decide_task(
+    config: Config,
+    candidates: Candidates,
+    evaluation: StageOutput,
+    baseline_name: str,
+    tracking_uri: str,
+    override_reason: str | None,
+) -> PromotionResult:
+    """Apply the gate; on a pass (or an override with its reason) tag the challenger and move `champion`.
+
+    The tags are set before the alias moves, so a champion always carries its evidence. A failed gate
+    without an override changes nothing in the registry.
+    """
+    client = MlflowClient(tracking_uri)
+    challenger = client.get_model_version(candidates.model, candidates.challenger)
+    checks = gate_checks(config.promotion, evaluation.metrics, training_metrics(client, challenger))
+    passed = all(check.passed for check in checks)
+    failed = "; ".join(check.describe() for check in checks if not check.passed)
+    if passed:
+        decision: Decision = "promoted"
+        message = f"Version {candidates.challenger} passed the gate and is now the {CHAMPION_ALIAS}."
+    elif override_reason:
+        decision = "promoted-by-override"
+        message = f"Version {candidates.challenger} failed the gate ({failed}) and was promoted by override."
+    else:
+        decision = "rejected"
+        message = f"Version {candidates.challenger} stays the {CHALLENGER_ALIAS}; the registry is unchanged. Failed: {failed}."
+    result = PromotionResult(
+        decision=decision,
+        model=candidates.model,
+        challenger=candidates.challenger,
+        champion_before=candidates.champion,
+        champion_after=candidates.champion if decision == "rejected" else candidates.challenger,
+        baseline=baseline_name,
+        checks=checks,
+        evaluation_run_id=evaluation.mlflow_run_id,
+        reason=override_reason,
+        message=message,
+    )
+    if decision != "rejected":
+        for key, value in evidence_tags(result).items():
+            client.set_model_version_tag(candidates.model, candidates.challenger, key, value)
+        client.set_registered_model_alias(candidates.model, CHAMPION_ALIAS, candidates.challenger)
+    return result
+
+
+@task(name="rollback", **REGISTRY_TASK_OPTIONS)
+def rollback_task(config: Config, tracking_uri: str, reason: str | None) -> PromotionResult:
+    """Move `champion` back to the version the current champion replaced, and record it on both."""
+    name = config.tracking.policy_model_name
+    client = MlflowClient(tracking_uri)
+    current = champion_version(client, name)
+    if current is None:
+        raise ValueError(f"{name} has no {CHAMPION_ALIAS} to roll back")
+    previous = client.get_model_version(name, current).tags.get(PREVIOUS_CHAMPION_TAG, NO_VERSION)
+    if previous == NO_VERSION:
+        raise ValueError(f"{name} version {current} is the first {CHAMPION_ALIAS}: there is no earlier one to restore")
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    demoted = {
+        DECISION_TAG: "rolled-back",
+        f"{PROMOTION_TAG_PREFIX}rolled_back_to": previous,
+        f"{PROMOTION_TAG_PREFIX}rolled_back_at": now,
+    }
+    if reason:
+        demoted[f"{PROMOTION_TAG_PREFIX}rollback_reason"] = reason
+    for key, value in demoted.items():
+        client.set_model_version_tag(name, current, key, value)
+    client.set_model_version_tag(name, previous, f"{PROMOTION_TAG_PREFIX}restored_from", current)
+    client.set_registered_model_alias(name, CHAMPION_ALIAS, previous)
+    return PromotionResult(
+        decision="rolled-back",
+        model=name,
+        champion_before=current,
+        champion_after=previous,
+        reason=reason,
+        message=f"{CHAMPION_ALIAS} moved back from version {current} to version {previous}.",
+    )

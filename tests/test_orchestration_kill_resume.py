@@ -1,0 +1,106 @@
+"""A pipeline process killed outright during PPO, then `rlhf run` again: PPO resumes from its checkpoint.
+
+Prefect retries cover a stage that raises; a SIGKILL ends the flow run itself, and the rerun is a new
+flow run with a new run directory. The rerun must still find the killed run's unfinished PPO output
+(tasks/resume.py), continue it from the newest checkpoint without repeating an iteration, and reuse
+the finished SFT and reward-model outputs as cache hits. The killed process also held this machine's
+training slot, which the Prefect server takes back when its lease runs out (tasks/concurrency.py: the
+lease is set to its 60-second minimum here).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures.pairs import write_topic_pairs
+from rlhf_core.training.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+PPO_STEPS = 6
+CHECKPOINT_EVERY = 2
+START_DEADLINE_S = 600
+RUN_DEADLINE_S = 900
+
+
+def run_command(data: Path) -> list[str]:
+    """`rlhf run` up to PPO on the tiny config, with a PPO run long enough to be killed in the middle."""
+    return [
+        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        "run",
+        "--params", str(REPO / "params.yaml"),
+        "--config", str(REPO / "configs" / "tiny.yaml"),
+        "-s", f"ppo.steps={PPO_STEPS}",
+        "-s", f"ppo.checkpoint_every={CHECKPOINT_EVERY}",
+        "--data", str(data),
+        "--stage", "ppo",
+    ]  # fmt: skip
+
+
+def wait_for_ppo_checkpoint(process: subprocess.Popen, runs_dir: Path, log: Path) -> Path:
+    """The PPO output directory, once it holds a complete checkpoint (the process still running)."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the pipeline ended before PPO wrote a checkpoint:\n{log.read_text()[-3000:]}"
+        for ppo_dir in runs_dir.glob("*/ppo"):
+            if complete_checkpoints(ppo_dir / "checkpoints"):
+                return ppo_dir
+        time.sleep(0.2)
+    raise AssertionError("PPO wrote no checkpoint in time")
+
+
+def summary_lines(output: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in output.splitlines() if ": " in line and not line.startswith(" "))
+
+
+def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "RLHF_TRAINING_LEASE_SECONDS": "60",
+    }
+    log = tmp_path / "killed.log"
+    with log.open("w") as output:
+        killed = subprocess.Popen(
+            run_command(data), cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        ppo_dir = wait_for_ppo_checkpoint(killed, tmp_path / "runs", log)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    checkpointed = [int(path.name.split("-")[1]) for path in complete_checkpoints(ppo_dir / "checkpoints")]
+    assert not (ppo_dir / "metrics.json").exists()
+
+    rerun = subprocess.run(
+        run_command(data), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S
+    )
+
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lines = summary_lines(rerun.stdout)
+    rerun_dir = Path(lines["run directory"])
+    assert rerun_dir != ppo_dir.parent  # a new flow run, with a directory of its own
+    assert lines["stage ppo"].startswith(str(ppo_dir))  # ... that trained on in the killed run's PPO directory
+    for stage in ("prepare-data", "sft", "reward"):
+        assert lines[f"stage {stage}"].startswith(str(ppo_dir.parent))  # finished before the kill: cache hits
+    metrics = json.loads((ppo_dir / "metrics.json").read_text())
+    assert metrics["resumed_from"] >= max(checkpointed) >= CHECKPOINT_EVERY
+    total = metrics["total_steps"]  # ppo.steps policy iterations after the critic-only ones
+    assert total > PPO_STEPS and metrics["steps_completed"] == total
+    steps = [json.loads(line)["step"] for line in (ppo_dir / "history.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == total  # no iteration logged twice
+    assert not (tmp_path / "runs" / ".cache" / "in_progress").exists() or not any(
+        (tmp_path / "runs" / ".cache" / "in_progress").iterdir()
+    )  # the finished stage released its claim

@@ -1,0 +1,250 @@
+"""The rlhf-promote flow against a real MLflow registry (server with S3 artifacts) and a real Prefect server.
+
+One module-scoped scenario on one policy model, and every test asserts on it:
+  A. version 1 is the challenger and there is no champion: it is evaluated against the SFT model its
+     lineage names, passes the gate and becomes the champion with its evidence as tags;
+  B. version 2 (its PPO run drifted: KL 0.9 > promotion.max_kl) is evaluated against the champion, fails,
+     and the registry is left as it was;
+  C. an override without a reason is refused before anything runs;
+  D. the same override with a reason promotes version 2 (the evaluation is a cache hit) and records it;
+  E. a rollback moves the champion back to version 1; F. a second one finds nothing earlier and fails.
+
+The policies are copies of the tiny SFT model, told apart by a marker file, so both replies of every pair
+are the same and every verdict is a tie: win minus loss is exactly 0 with a [0, 0] interval, which passes
+`promotion.min_win_minus_loss_low = -0.5`. What fails version 2 is the KL of its PPO run alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fixtures.tiny_ppo import one_thread, write_stage_inputs  # noqa: F401  (one_thread: autouse)
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.states import State
+
+from flows.promote import rlhf_promote
+from tasks.outputs import StageOutput, output_sha256
+from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, PromotionResult
+from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, STAGE_RUN_TAG, lineage_output_tags, register
+from tasks.tracking import get_or_create_experiment
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = "promotion-policy"
+REWARD = "promotion-reward"
+EXPERIMENT = "promotion-tests"
+
+
+@dataclass
+class Scenario:
+    client: MlflowClient
+    sft_dir: Path
+    states: dict[str, State]
+    tags_after: dict[str, dict[str, dict[str, str]]]  # step -> version -> tags
+    champion_after: dict[str, str | None]  # step -> champion version
+    artifacts: dict[str, dict[str, object]]  # step -> Prefect artifact key -> data
+    task_states: dict[str, dict[str, str]]  # step -> task name -> final state name
+
+
+def stage_output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
+    model_dir = out_dir / "model" if with_model else None
+    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
+
+
+def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: float) -> str:
+    """An MLflow run standing for a PPO stage run: the final figures the gate reads."""
+    run_id = client.create_run(experiment_id, run_name="ppo").info.run_id
+    client.log_metric(run_id, "final.val/kl_best", kl, step=0)
+    client.log_metric(run_id, "final.guard_stopped", guard_stopped, step=0)
+    client.set_terminated(run_id)
+    return run_id
+
+
+def settings(runs_dir: Path, **changes: object) -> dict[str, object]:
+    return {
+        "config": [str(ROOT / "configs" / "tiny.yaml")],
+        "overrides": [
+            f"tracking.policy_model_name={POLICY}",
+            f"tracking.reward_model_name={REWARD}",
+            f"tracking.experiment={EXPERIMENT}",
+            "evaluation.max_prompts=6",
+            "promotion.min_win_minus_loss_low=-0.5",
+        ],
+        "params_file": str(ROOT / "params.yaml"),
+        "runs_dir": str(runs_dir),
+        **changes,
+    }
+
+
+def artifacts_of(state: State) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    return {artifact.key: artifact.data for artifact in artifacts if artifact.key}
+
+
+def task_states(state: State) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefect_server: str) -> Iterator[Scenario]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    root = tmp_path_factory.mktemp("promotion")
+    inputs = write_stage_inputs(root)
+    client = MlflowClient(mlflow_server)
+    experiment_id = get_or_create_experiment(client, EXPERIMENT, None)
+    register_run = client.create_run(experiment_id, run_name="register").info.run_id
+    reward = register(client, mlflow_server, register_run, REWARD, stage_output("reward", inputs.rm_dir), {}, None)
+    lineage = lineage_output_tags(
+        {
+            "prepare-data": stage_output("prepare-data", inputs.data_dir, with_model=False),
+            "sft": stage_output("sft", inputs.sft_dir),
+        }
+    )
+
+    def register_policy(variant: str, kl: float) -> str:
+        out_dir = root / f"policy-{variant}"
+        shutil.copytree(inputs.sft_dir, out_dir)
+        (out_dir / "model" / "variant.txt").write_text(variant)  # new content, the same weights
+        tags = {
+            **lineage,
+            REWARD_VERSION_TAG: reward.version,
+            STAGE_RUN_TAG: ppo_run(client, experiment_id, kl=kl, guard_stopped=0.0),
+        }
+        return register(
+            client, mlflow_server, register_run, POLICY, stage_output("ppo", out_dir), tags, CHALLENGER_ALIAS
+        ).version
+
+    runs_dir = root / "runs"
+    states: dict[str, State] = {}
+    tags_after: dict[str, dict[str, dict[str, str]]] = {}
+    champion_after: dict[str, str | None] = {}
+    artifacts: dict[str, dict[str, object]] = {}
+    task_states_of: dict[str, dict[str, str]] = {}
+
+    def promote(step: str, parameters: dict[str, object]) -> None:
+        states[step] = rlhf_promote(settings=parameters, return_state=True)
+        versions = client.search_model_versions(f"name = '{POLICY}'")
+        tags_after[step] = {str(version.version): dict(version.tags) for version in versions}
+        champion_after[step] = client.get_registered_model(POLICY).aliases.get(CHAMPION_ALIAS)
+        artifacts[step] = artifacts_of(states[step])
+        task_states_of[step] = task_states(states[step])
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    monkeypatch.chdir(root)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+            assert register_policy("1", kl=0.05) == "1"
+            promote("A", settings(runs_dir))
+            assert register_policy("2", kl=0.9) == "2"
+            promote("B", settings(runs_dir))
+            promote("C", settings(runs_dir, override=True))
+            promote("D", settings(runs_dir, override=True, reason="people preferred it in the human evaluation"))
+            promote("E", settings(runs_dir, mode="rollback", reason="complaints after the release"))
+            promote("F", settings(runs_dir, mode="rollback"))
+        yield Scenario(client, inputs.sft_dir, states, tags_after, champion_after, artifacts, task_states_of)
+    finally:
+        monkeypatch.undo()
+
+
+def result(scenario: Scenario, step: str) -> PromotionResult:
+    state = scenario.states[step]
+    assert state.is_completed(), state.message
+    return state.result()
+
+
+def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_with_evidence(scenario: Scenario) -> None:
+    first = result(scenario, "A")
+    assert (first.decision, first.challenger, first.champion_before, first.champion_after) == (
+        "promoted",
+        "1",
+        None,
+        "1",
+    )
+    assert first.baseline == f"SFT model of version 1 ({scenario.sft_dir})"
+    assert {check.name: check.passed for check in first.checks} == {
+        "win_minus_loss_low": True,
+        "kl_to_reference": True,
+        "no_collapse": True,
+    }
+    assert scenario.champion_after["A"] == "1"
+    tags = scenario.tags_after["A"]["1"]
+    assert tags[DECISION_TAG] == "promoted" and tags[PREVIOUS_CHAMPION_TAG] == "none"
+    assert tags["promotion.gate"] == "passed"
+    assert tags["promotion.check.kl_to_reference"] == "kl_to_reference = 0.05 (<= 0.3): pass"
+    assert tags["promotion.check.win_minus_loss_low"] == "win_minus_loss_low = 0 (> -0.5): pass"
+    evaluation = scenario.client.get_run(tags["promotion.evaluation_run_id"])
+    assert evaluation.data.metrics["final.tie_rate"] == 1.0  # the same weights: every pair a tie
+    assert evaluation.data.metrics["final.judge_in_sample"] == 1.0  # the challenger's own reward model
+    report = scenario.artifacts["A"]["promotion-decision"]
+    assert (
+        "# Promotion of `promotion-policy`: promoted" in report
+        and "| kl_to_reference | 0.05 | <= 0.3 | pass |" in report
+    )
+
+
+def test_a_failing_challenger_leaves_the_registry_unchanged_and_says_why(scenario: Scenario) -> None:
+    second = result(scenario, "B")
+    assert (second.decision, second.challenger, second.champion_after) == ("rejected", "2", "1")
+    assert second.baseline == "promotion-policy version 1 (champion)"
+    assert [check.name for check in second.checks if not check.passed] == ["kl_to_reference"]
+    assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in second.message
+    assert scenario.champion_after["B"] == "1"
+    assert scenario.tags_after["B"] == scenario.tags_after["A"] | {"2": scenario.tags_after["B"]["2"]}
+    assert not any(key.startswith("promotion.") for key in scenario.tags_after["B"]["2"])
+    assert "rejected" in scenario.artifacts["B"]["promotion-decision"]
+
+
+def test_an_override_without_a_reason_is_refused_before_anything_runs(scenario: Scenario) -> None:
+    refused = scenario.states["C"]
+    assert refused.is_failed() and "Validation of flow parameters failed" in refused.message
+    assert "override needs a reason" in str(refused.result(raise_on_failure=False))
+    assert scenario.task_states["C"] == {}
+    assert scenario.champion_after["C"] == "1" and scenario.tags_after["C"] == scenario.tags_after["B"]
+
+
+def test_an_override_with_a_reason_promotes_and_records_the_reason(scenario: Scenario) -> None:
+    overridden = result(scenario, "D")
+    assert (overridden.decision, overridden.champion_before, overridden.champion_after) == (
+        "promoted-by-override",
+        "1",
+        "2",
+    )
+    assert scenario.task_states["D"]["evaluate"] == "Cached"  # the same comparison as in B
+    tags = scenario.tags_after["D"]["2"]
+    assert tags[DECISION_TAG] == "promoted-by-override" and tags["promotion.gate"] == "failed"
+    assert tags["promotion.override_reason"] == "people preferred it in the human evaluation"
+    assert tags[PREVIOUS_CHAMPION_TAG] == "1"
+    assert scenario.champion_after["D"] == "2"
+
+
+def test_rollback_restores_the_previous_champion_and_stops_at_the_first(scenario: Scenario) -> None:
+    rolled_back = result(scenario, "E")
+    assert (rolled_back.decision, rolled_back.champion_before, rolled_back.champion_after) == ("rolled-back", "2", "1")
+    assert scenario.champion_after["E"] == "1"
+    demoted = scenario.tags_after["E"]["2"]
+    assert (
+        demoted[DECISION_TAG] == "rolled-back"
+        and demoted["promotion.rollback_reason"] == "complaints after the release"
+    )
+    assert scenario.tags_after["E"]["1"]["promotion.restored_from"] == "2"
+
+    nothing_earlier = scenario.states["F"]
+    assert nothing_earlier.is_failed() and "there is no earlier one to restore" in nothing_earlier.message
+    assert scenario.champion_after["F"] == "1"
