@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from rlhf_cli.launching import run_training_stage
 from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, RmDirOption, SetOption, SftDirOption, resolve_config
 
 
@@ -30,7 +31,16 @@ def ppo(
     from rlhf_core.stages.ppo import guard_message, run_ppo
 
     resolved = resolve_config(params, config, set_)
-    result = run_ppo(resolved, data_dir, sft_dir, rm_dir, out if out is not None else Path("artifacts/ppo"))
+    out_dir = out if out is not None else Path("artifacts/ppo")
+    result = run_training_stage(
+        "ppo",
+        resolved,
+        out_dir,
+        lambda: run_ppo(resolved, data_dir, sft_dir, rm_dir, out_dir),
+        data_dir=data_dir,
+        sft_dir=sft_dir,
+        rm_dir=rm_dir,
+    )
     metrics = result.metrics
     message = guard_message(result.out_dir)
     if message is not None:

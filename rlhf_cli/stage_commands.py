@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from rlhf_cli.launching import run_training_stage
 from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, SftDirOption, resolve_config
 
 
@@ -33,7 +34,10 @@ def sft(
     from rlhf_core.stages.sft import run_sft
 
     resolved = resolve_config(params, config, set_)
-    result = run_sft(resolved, data_dir, out if out is not None else Path("artifacts/sft"))
+    out_dir = out if out is not None else Path("artifacts/sft")
+    result = run_training_stage(
+        "sft", resolved, out_dir, lambda: run_sft(resolved, data_dir, out_dir), data_dir=data_dir
+    )
     metrics = result.metrics
     verb = (
         "handed on the base model untrained"
@@ -59,7 +63,15 @@ def train_rm(
     from rlhf_core.stages.reward import run_train_rm
 
     resolved = resolve_config(params, config, set_)
-    result = run_train_rm(resolved, data_dir, sft_dir, out if out is not None else Path("artifacts/reward"))
+    out_dir = out if out is not None else Path("artifacts/reward")
+    result = run_training_stage(
+        "reward",
+        resolved,
+        out_dir,
+        lambda: run_train_rm(resolved, data_dir, sft_dir, out_dir),
+        data_dir=data_dir,
+        sft_dir=sft_dir,
+    )
     metrics = result.metrics
     typer.echo(
         f"train-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs"

@@ -1,0 +1,41 @@
+"""Training commands on one process or, when `distributed.num_processes > 1`, under the deepspeed launcher.
+
+`rlhf sft`, `rlhf train-rm` and `rlhf ppo` (and so `dvc repro`) behave the same either way: with several
+processes configured they start the ranks through rlhf_core/distributed/launcher.py, print every rank's
+lines prefixed with its rank, fail with the first failing rank's error, and read the finished stage's
+metrics.json as the single-process path returns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+
+from rlhf_core.config import Config
+from rlhf_core.stages.result import StageResult, read_metrics
+
+
+def run_training_stage(
+    stage: str,
+    config: Config,
+    out_dir: Path,
+    run_here: Callable[[], StageResult],
+    *,
+    data_dir: Path,
+    sft_dir: Path | None = None,
+    rm_dir: Path | None = None,
+) -> StageResult:
+    """`run_here()` on one process, else launch `stage` (sft | reward | ppo) on the configured processes."""
+    if config.distributed.world_size <= 1:
+        return run_here()
+    from rlhf_core.distributed.launcher import launch_stage
+
+    launch_stage(stage, config, out_dir, echo_rank_line, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
+    return StageResult(out_dir=out_dir, metrics=read_metrics(out_dir), model_dir=out_dir / "model")
+
+
+def echo_rank_line(rank: int | None, line: str) -> None:
+    """One line of a launched run, on stderr, so stdout keeps only the command's summary."""
+    typer.echo(f"[{'launcher' if rank is None else f'rank {rank}'}] {line}", err=True)
