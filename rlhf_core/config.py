@@ -292,6 +292,10 @@ class PPOConfig(Section):
     frozen_models_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="dtype of the frozen reference and reward models; null: model.dtype."
     )
+    share_frozen_trunk: bool = Field(
+        True,
+        description="Run the frozen lower blocks the four models share once per rollout (rlhf_core.ppo.shared_trunk).",
+    )
     rollout: GenerationConfig = GenerationConfig()
     guard: CollapseGuardConfig = CollapseGuardConfig()
     eval_every: int = Field(10, ge=1)

@@ -18,7 +18,6 @@ from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,
     generate_responses,
-    joined_sequence,
     left_pad,
     mask_after_stop,
     response_logprobs,
@@ -26,6 +25,7 @@ from rlhf_core.ppo.rollout import (
     sampling_config,
     stop_token_ids,
 )
+from rlhf_core.ppo.sequences import joined_sequence
 
 PROMPTS = [
     [{"role": "user", "content": "Hi"}],
@@ -184,7 +184,9 @@ def test_padding_shared_by_a_micro_batch_is_dropped_without_changing_outputs(
     padding columns, which `joined_sequence` drops; their outputs keep the batch's shape and values."""
     rows = torch.tensor([0, 2])
     tensors = [batch[name] for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-    ids, mask, width, length = joined_sequence(*[t[rows] for t in tensors])
+    joined = joined_sequence(*[t[rows] for t in tensors])
+    ids, mask, width, length = joined.input_ids, joined.attention_mask, joined.prompt_width, joined.response_length
+    assert joined.columns == slice(joined.first, batch["prompt_ids"].shape[1] + length)
     assert width < batch["prompt_ids"].shape[1] and length < batch["response_ids"].shape[1]
     assert (
         ids.shape == mask.shape == (2, width + length) and bool(mask[:, 0].any()) and bool(mask[:, -1].any())

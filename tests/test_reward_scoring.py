@@ -12,12 +12,13 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import TinyModelConfig
 from rlhf_core.data.records import PreferencePair
+from rlhf_core.models.blocks import only_blocks
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel, final_hidden_states
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.reward.batch import collate_pairs, encode_pairs
-from rlhf_core.reward.frozen_cache import FrozenLowerCache, only_blocks
+from rlhf_core.reward.frozen_cache import FrozenLowerCache
 from rlhf_core.reward.scoring import pair_outputs, score_pair_batches, scores_at_reply_end
 from rlhf_core.sft.batch import IGNORE_INDEX
 from rlhf_core.stages.reward import count_pairs_and_tokens, reward_loss_fn

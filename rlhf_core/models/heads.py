@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.models.blocks import positions_from_mask
 from rlhf_core.models.chat import reply_end_positions
 from rlhf_core.models.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rlhf_core.models.saving import HeadConfig, load_scalar_head_model, save_scalar_head_model
@@ -47,9 +48,11 @@ def new_scalar_head(backbone: PreTrainedModel, seed: int) -> nn.Linear:
 
 def final_hidden_states(backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Last-layer hidden states [B, T, H], with positions counted over real tokens only (padding-proof)."""
-    position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
     output = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions_from_mask(attention_mask),
+        use_cache=False,
     )
     return output.last_hidden_state
 
@@ -132,14 +135,20 @@ class RewardModel(nn.Module):
         input_ids, attention_mask: [B, T], left or right padded; reply_start: [B] or int (see chat.py).
         """
         hidden = final_hidden_states(self.backbone, input_ids, attention_mask)
-        ends = reply_end_positions(input_ids, attention_mask, self.eot_id, reply_start)
-        end_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]  # [B, H]
-        scores = self.score_head(end_hidden).squeeze(-1)
+        scores = self.scores_from_hidden(hidden, input_ids, attention_mask, reply_start)
         if not return_lm_logits:
             return RewardOutput(scores=scores, lm_logits=None)
         if self.lm_head is None:
             raise ValueError("return_lm_logits=True but this reward model was built without its LM head")
         return RewardOutput(scores=scores, lm_logits=self.lm_head(hidden))
+
+    def scores_from_hidden(
+        self, hidden: Tensor, input_ids: Tensor, attention_mask: Tensor, reply_start: Tensor | int
+    ) -> Tensor:
+        """Scores [B]: the score head on the final hidden states [B, T, H] at each reply's end-of-turn token."""
+        ends = reply_end_positions(input_ids, attention_mask, self.eot_id, reply_start)
+        end_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]  # [B, H]
+        return self.score_head(end_hidden).squeeze(-1)
 
 
 class Critic(nn.Module):

@@ -23,8 +23,9 @@ from torch import Tensor
 class Experience:
     """A rollout batch of B prompts with one sampled response each (paper section 5, Figure 1).
 
-    The first ten fields come from generation and the no-grad scoring passes, the last five are
-    derived from them by `trainer.assemble_experience` (paper 5.3.1 and 3.2).
+    The first ten fields come from generation and the no-grad scoring passes, the next five are
+    derived from them by `trainer.assemble_experience` (paper 5.3.1 and 3.2); the last one is a cache
+    of the scoring passes' shared work, not data.
     """
 
     prompt_ids: Tensor
@@ -63,6 +64,9 @@ class Experience:
     done per mini-batch in the update)."""
     returns: Tensor
     """[B, T] float: value targets, advantages + values."""
+    trunk_residual: Tensor | None = None
+    """[B, P + T, H] float or None: the residual stream after the frozen lower blocks the models share
+    (shared_trunk.py), over ``[prompt | response]``; the update's forward passes start from it."""
 
     @property
     def batch_size(self) -> int:
@@ -87,4 +91,5 @@ class Experience:
             rewards=self.rewards[rows],
             advantages=self.advantages[rows],
             returns=self.returns[rows],
+            trunk_residual=self.trunk_residual[rows] if self.trunk_residual is not None else None,
         )

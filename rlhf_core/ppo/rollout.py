@@ -5,7 +5,9 @@ Layout (see `experience.py`): prompts are LEFT-padded to a common width P, so on
 Every forward pass below runs the model on the concatenation ``[prompt | response]`` with position
 ids counted over real tokens only (`heads.final_hidden_states`), so a row's outputs do not depend on
 how much padding its batch needed; columns that are padding in every row of a (micro-)batch are
-dropped before the pass (`joined_sequence`) and the outputs padded back to the batch's width.
+dropped before the pass (`sequences.joined_sequence`) and the outputs padded back to the batch's width.
+Each pass can start from the residual stream of the frozen lower blocks the four PPO models share
+(`trunk`, shared_trunk.py), computed once per rollout; then only the model's upper blocks run.
 
 Log-probs: the token ``response[:, t]`` was sampled from the distribution the model gave at the
 position before it, ``P + t - 1``. Only those T positions ever need the LM head, so the backbone
@@ -33,8 +35,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.chat import end_of_turn_id
-from rlhf_core.models.heads import Critic, RewardModel, final_hidden_states
+from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.losses import entropy_from_logits, logprobs_from_logits
+from rlhf_core.ppo.sequences import TrunkStates, joined_hidden_states, joined_sequence
 
 
 class Scorer(Protocol):
@@ -62,16 +65,31 @@ class RewardModelScorer:
         self.reward_model = reward_model
         self.micro_batch_size = micro_batch_size
 
-    @torch.no_grad()
     def __call__(
         self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
     ) -> Tensor:
+        return self.score(prompt_ids, prompt_mask, response_ids, response_mask, trunk=None)
+
+    @torch.no_grad()
+    def score(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        response_ids: Tensor,
+        response_mask: Tensor,
+        trunk: TrunkStates | None,
+    ) -> Tensor:
+        """Scores ``[B]``; with `trunk` (the same rows' shared lower blocks) only the upper blocks run."""
         scores = []
         for rows in chunks(prompt_ids.shape[0], self.micro_batch_size):
-            input_ids, attention_mask, width, _ = joined_sequence(
-                prompt_ids[rows], prompt_mask[rows], response_ids[rows], response_mask[rows]
+            joined = joined_sequence(prompt_ids[rows], prompt_mask[rows], response_ids[rows], response_mask[rows])
+            part = trunk.select(rows) if trunk is not None else None
+            hidden = joined_hidden_states(self.reward_model.backbone, joined, part)
+            scores.append(
+                self.reward_model.scores_from_hidden(
+                    hidden, joined.input_ids, joined.attention_mask, reply_start=joined.prompt_width
+                )
             )
-            scores.append(self.reward_model(input_ids, attention_mask, reply_start=width).scores)
         return at_least_float32(torch.cat(scores))
 
 
@@ -168,22 +186,6 @@ def generate_responses(
     return torch.where(mask.bool(), response_ids, pad_id), mask, finished
 
 
-def joined_sequence(
-    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
-) -> tuple[Tensor, Tensor, int, int]:
-    """``[prompt | response]`` ids and attention mask ``[B, P' + T']``, and the widths ``P'``, ``T'``.
-
-    Leading prompt columns and trailing response columns that are padding in EVERY row are dropped
-    (a micro-batch often needs less padding than its rollout batch). That only saves compute:
-    positions are counted over real tokens, so no real token's output changes.
-    """
-    first = int(prompt_mask.bool().any(dim=0).nonzero().min())
-    length = int(response_mask.bool().any(dim=0).nonzero().max()) + 1
-    input_ids = torch.cat([prompt_ids[:, first:], response_ids[:, :length]], dim=1)
-    attention_mask = torch.cat([prompt_mask[:, first:], response_mask[:, :length]], dim=1)
-    return input_ids, attention_mask, prompt_ids.shape[1] - first, length
-
-
 def _pad_to(x: Tensor, length: int) -> Tensor:
     """Right-pad a ``[B, T']`` tensor with zeros to ``[B, length]``."""
     return F.pad(x, (0, length - x.shape[1]))
@@ -197,6 +199,7 @@ def response_logprobs(
     response_mask: Tensor,
     temperature: float,
     with_entropy: bool = False,
+    trunk: TrunkStates | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[B, T]`` of the response tokens under `lm` at `temperature` (0 on padding).
 
@@ -204,12 +207,12 @@ def response_logprobs(
     response position (0 on padding), else None. Gradients flow when called with grad enabled (the
     PPO update); rollouts call it under `torch.no_grad()`. The LM head sees only the T positions
     that predict response tokens (module docstring); that assumes a plain linear head, as in Llama
-    and SmolLM2 (no logit soft-capping or scaling).
+    and SmolLM2 (no logit soft-capping or scaling). With `trunk` (the same rows' residual stream
+    after the frozen lower blocks `lm` shares) only `lm`'s upper blocks run.
     """
-    input_ids, attention_mask, width, length = joined_sequence(
-        prompt_ids, prompt_mask, response_ids, response_mask
-    )
-    hidden = final_hidden_states(lm.base_model, input_ids, attention_mask)
+    joined = joined_sequence(prompt_ids, prompt_mask, response_ids, response_mask)
+    width, length = joined.prompt_width, joined.response_length
+    hidden = joined_hidden_states(lm.base_model, joined, trunk)
     logits = lm.get_output_embeddings()(hidden[:, width - 1 : width + length - 1])
     real = response_mask[:, :length].bool()
     logprobs = torch.where(real, logprobs_from_logits(logits, response_ids[:, :length], temperature), 0.0)
@@ -221,16 +224,21 @@ def response_logprobs(
 
 
 def response_values(
-    critic: Critic, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    critic: Critic,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    trunk: TrunkStates | None = None,
 ) -> Tensor:
     """Critic values ``[B, T]`` (at least float32, 0 on padding): V(s_t) is read at position ``P + t - 1``.
 
     State s_t is the prompt plus the first t response tokens, whose last token sits at column
     ``P + t - 1`` (for t = 0, the prompt's last token): the same position whose logits sampled
-    ``response[:, t]``.
+    ``response[:, t]``. With `trunk`, only the critic's upper blocks run (as in `response_logprobs`).
     """
-    input_ids, attention_mask, width, length = joined_sequence(
-        prompt_ids, prompt_mask, response_ids, response_mask
-    )
-    values = at_least_float32(critic(input_ids, attention_mask)[:, width - 1 : width + length - 1])
+    joined = joined_sequence(prompt_ids, prompt_mask, response_ids, response_mask)
+    width, length = joined.prompt_width, joined.response_length
+    hidden = joined_hidden_states(critic.backbone, joined, trunk)
+    values = at_least_float32(critic.value_head(hidden).squeeze(-1)[:, width - 1 : width + length - 1])
     return _pad_to(torch.where(response_mask[:, :length].bool(), values, 0.0), response_ids.shape[1])

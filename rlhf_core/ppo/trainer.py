@@ -98,6 +98,7 @@ from rlhf_core.ppo.monitors import (
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import normalize_scores, scale_scores, token_level_rewards
 from rlhf_core.ppo.rollout import (
+    RewardModelScorer,
     Scorer,
     at_least_float32,
     chunks,
@@ -107,6 +108,8 @@ from rlhf_core.ppo.rollout import (
     response_values,
     stop_token_ids,
 )
+from rlhf_core.ppo.sequences import TrunkStates
+from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan
 from rlhf_core.training.checkpoint import (
     TrainingState,
@@ -166,6 +169,7 @@ def assemble_experience(
     scores: Tensor,
     score_stats: RunningMeanStd,
     config: PPOConfig,
+    trunk_residual: Tensor | None = None,
 ) -> Experience:
     """The rollout's tensors (shapes in `Experience`) -> the full `Experience` PPO learns from.
 
@@ -196,6 +200,7 @@ def assemble_experience(
         rewards=rewards,
         advantages=advantages,
         returns=returns,
+        trunk_residual=trunk_residual,
     )
 
 
@@ -438,6 +443,7 @@ class PPOTrainer:
         )
         self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
         self.context = rank_context()
+        self.trunk = self._shared_trunk()
         self.engines: PPOEngines | None = None
         if self.context.is_distributed:
             if distributed is None:
@@ -500,6 +506,50 @@ class PPOTrainer:
             len(self.data.ptx_examples), self.seed + 1, self.config.micro_batch_size, accumulation
         )
 
+    def _shared_trunk(self) -> SharedTrunk | None:
+        """The frozen lower blocks the models share (shared_trunk.py), when switched on and found."""
+        if not self.config.share_frozen_trunk or self.context.is_distributed:
+            return None
+        scorer = self.models.scorer
+        trunk = find_shared_trunk(
+            self.models.policy,
+            {
+                "reference": self.models.reference.base_model,
+                "critic": self.models.critic.backbone,
+                "reward_model": scorer.reward_model.backbone if isinstance(scorer, RewardModelScorer) else None,
+            },
+            self.config.trainable_top_layers,
+        )
+        if trunk is not None:
+            log.info(
+                "shared trunk: the lower %d blocks of the policy, shared with %s",
+                trunk.num_lower,
+                ", ".join(sorted(trunk.members)),
+            )
+        return trunk
+
+    @torch.no_grad()
+    def _trunk_states(
+        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor]
+    ) -> TrunkStates | None:
+        """The shared trunk's residual stream of a sampled batch (None without a shared trunk)."""
+        if self.trunk is None:
+            return None
+        with self._autocast():
+            return self.trunk.states(prompt, response, self.config.micro_batch_size)
+
+    def _trunk_for(self, model: str, states: TrunkStates | None) -> TrunkStates | None:
+        """`states` when `model` starts its passes from the shared trunk, else None (a full forward)."""
+        if states is None or self.trunk is None or not self.trunk.serves(model):
+            return None
+        return states
+
+    def _experience_trunk(self, experience: Experience, model: str) -> TrunkStates | None:
+        """The rollout's shared-trunk states of `experience`'s rows, for `model`'s update pass."""
+        if experience.trunk_residual is None or self.trunk is None:
+            return None
+        return self._trunk_for(model, TrunkStates(experience.trunk_residual, self.trunk.num_lower))
+
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.bf16)
 
@@ -531,7 +581,11 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _logprobs(
-        self, model: PreTrainedModel, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor]
+        self,
+        model: PreTrainedModel,
+        prompt: tuple[Tensor, Tensor],
+        response: tuple[Tensor, Tensor],
+        trunk: TrunkStates | None,
     ) -> Tensor:
         """Log-probs ``[B, T]`` of the responses under `model`, micro-batch by micro-batch."""
         parts = []
@@ -544,13 +598,14 @@ class PPOTrainer:
                     response[0][rows],
                     response[1][rows],
                     self.config.rollout.temperature,
+                    trunk=trunk.select(rows) if trunk is not None else None,
                 )
             parts.append(logprobs)
         return torch.cat(parts)
 
     @torch.no_grad()
     def _policy_logprobs_and_entropy(
-        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor]
+        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor], trunk: TrunkStates | None
     ) -> tuple[Tensor, Tensor]:
         """The rollout policy's log-probs and entropy ``[B, T]``, micro-batch by micro-batch."""
         logprobs, entropy = [], []
@@ -564,6 +619,7 @@ class PPOTrainer:
                     response[1][rows],
                     self.config.rollout.temperature,
                     with_entropy=True,
+                    trunk=trunk.select(rows) if trunk is not None else None,
                 )
             assert part_entropy is not None
             logprobs.append(part_logprobs)
@@ -571,7 +627,9 @@ class PPOTrainer:
         return torch.cat(logprobs), torch.cat(entropy)
 
     @torch.no_grad()
-    def _values(self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor]) -> Tensor:
+    def _values(
+        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor], trunk: TrunkStates | None
+    ) -> Tensor:
         """Critic values ``[B, T]`` of the rollout, micro-batch by micro-batch."""
         parts = []
         for rows in chunks(prompt[0].shape[0], self.config.micro_batch_size):
@@ -583,9 +641,21 @@ class PPOTrainer:
                         prompt[1][rows],
                         response[0][rows],
                         response[1][rows],
+                        trunk=trunk.select(rows) if trunk is not None else None,
                     )
                 )
         return torch.cat(parts)
+
+    @torch.no_grad()
+    def _scores(
+        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor], trunk: TrunkStates | None
+    ) -> Tensor:
+        """The scorer's raw scores ``[B]`` (the reward model's upper blocks only, with `trunk`)."""
+        scorer = self.models.scorer
+        if trunk is not None and isinstance(scorer, RewardModelScorer):
+            with self._autocast():
+                return at_least_float32(scorer.score(*prompt, *response, trunk=trunk))
+        return at_least_float32(scorer(*prompt, *response))
 
     @torch.no_grad()
     def make_experience(self, prompts: list[list[int]]) -> tuple[Experience, Metrics]:
@@ -604,10 +674,13 @@ class PPOTrainer:
             )
         generated = time.perf_counter()
         response = (response_ids, response_mask)
-        logprobs, entropy = self._policy_logprobs_and_entropy(prompt, response)
-        ref_logprobs = self._logprobs(self.models.reference, prompt, response)
-        values = self._values(prompt, response)
-        scores = at_least_float32(self.models.scorer(*prompt, *response))
+        trunk = self._trunk_states(prompt, response)
+        logprobs, entropy = self._policy_logprobs_and_entropy(prompt, response, trunk)
+        ref_logprobs = self._logprobs(
+            self.models.reference, prompt, response, self._trunk_for("reference", trunk)
+        )
+        values = self._values(prompt, response, self._trunk_for("critic", trunk))
+        scores = self._scores(prompt, response, self._trunk_for("reward_model", trunk))
         scored = time.perf_counter()
         self.score_stats.update(penalize_unfinished(scores, finished, self.config.unfinished_penalty))
         experience = assemble_experience(
@@ -623,6 +696,7 @@ class PPOTrainer:
             scores=scores,
             score_stats=self.score_stats,
             config=self.config,
+            trunk_residual=trunk.residual if trunk is not None else None,
         )
         timings = {
             "time/generate_s": generated - started,
@@ -706,6 +780,7 @@ class PPOTrainer:
                 micro.prompt_mask,
                 micro.response_ids,
                 micro.response_mask,
+                trunk=self._experience_trunk(micro, "critic"),
             )
             loss, stats = value_terms(values, micro, self.config, num_tokens)
         self._backward("critic", "loss/value", loss, step, metrics)
@@ -733,6 +808,7 @@ class PPOTrainer:
                 micro.response_mask,
                 config.rollout.temperature,
                 with_entropy=config.entropy_coef > 0,
+                trunk=self._experience_trunk(micro, "policy"),
             )
             entropy = entropy if entropy is not None else torch.zeros_like(logprobs)
             surrogate, mean_entropy, stats = policy_terms(
@@ -834,9 +910,12 @@ class PPOTrainer:
                         self.models.policy, *prompt, self.config.rollout, self.stop_ids, self.pad_id
                     )
                 response = (response_ids, mask)
-                parts["logprobs"].append(self._logprobs(self.models.policy, prompt, response))
-                parts["ref_logprobs"].append(self._logprobs(self.models.reference, prompt, response))
-                parts["scores"].append(at_least_float32(self.models.scorer(*prompt, *response)))
+                trunk = self._trunk_states(prompt, response)
+                parts["logprobs"].append(self._logprobs(self.models.policy, prompt, response, trunk))
+                parts["ref_logprobs"].append(
+                    self._logprobs(self.models.reference, prompt, response, self._trunk_for("reference", trunk))
+                )
+                parts["scores"].append(self._scores(prompt, response, self._trunk_for("reward_model", trunk)))
                 parts["finished"].append(finished)
                 parts["mask"].append(mask)
         width = max(mask.shape[1] for mask in parts["mask"])

@@ -7,47 +7,23 @@ every validation, and for every checkpoint of the run. On a CPU those lower bloc
 per sequence is the largest speed-up available. The numbers are unchanged: the top blocks receive
 exactly the tensor the lower blocks would produce.
 
-How: a Llama-style backbone (a `layers` ModuleList and a final `norm`) runs the residual stream
-through `layers` and then `norm`. `only_blocks` temporarily swaps in a slice of `layers` (and, for the
-lower part, an identity for `norm`), so the backbone's own forward computes positions, rotary
-embeddings and the causal mask exactly as usual: the lower pass gets `input_ids`, the top pass gets the
-cached residual stream as `inputs_embeds`.
+How: `rlhf_core.models.blocks` runs the backbone in two parts, lower blocks then the rest.
 
 Each sequence's lower pass runs alone, unpadded, so its cached value does not depend on which
-micro-batch it first appeared in: a resumed run recomputes bit-identical features. The cache assumes
-the lower blocks have no active dropout (true of Llama models, whose attention dropout defaults to 0).
+micro-batch it first appeared in: a resumed run recomputes bit-identical features.
 Memory: one float per hidden unit per token (SmolLM2: 2.3 kB a token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import PreTrainedModel
 
+from rlhf_core.models.blocks import lower_residual, upper_hidden_states
 from rlhf_core.sft.batch import SequenceBatch
-
-
-@contextmanager
-def only_blocks(backbone: nn.Module, start: int, stop: int | None, final_norm: bool) -> Iterator[None]:
-    """Within the block, `backbone` runs only `layers[start:stop]`, and no final norm unless `final_norm`."""
-    layers, norm = backbone.layers, backbone.norm
-    backbone.layers = nn.ModuleList(list(layers)[start:stop])
-    if not final_norm:
-        backbone.norm = nn.Identity()
-    try:
-        yield
-    finally:
-        backbone.layers = layers
-        backbone.norm = norm
-
-
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position ids counted over real tokens only, as `rlhf_core.models.heads.final_hidden_states` does."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 class FrozenLowerCache:
@@ -69,12 +45,7 @@ class FrozenLowerCache:
     def _lower_residual(self, backbone: PreTrainedModel, input_ids: Tensor) -> Tensor:
         """The residual stream [T, H] after the lower blocks for one unpadded sequence `input_ids` [T]."""
         ids = input_ids.unsqueeze(0)
-        mask = torch.ones_like(ids)
-        with only_blocks(backbone, 0, self.num_lower, final_norm=False):
-            output = backbone(
-                input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
-            )
-        return output.last_hidden_state[0]
+        return lower_residual(backbone, ids, torch.ones_like(ids), self.num_lower)[0]
 
     def residual(self, backbone: PreTrainedModel, keys: Sequence[Hashable], batch: SequenceBatch) -> Tensor:
         """The lower blocks' output [B, T, H] for `batch` (row i is sequence `keys[i]`); zeros at padding.
@@ -104,11 +75,4 @@ class FrozenLowerCache:
     ) -> Tensor:
         """Final hidden states [B, T, H] of `batch`: the cached lower blocks, then the top blocks and norm."""
         residual = self.residual(backbone, keys, batch)
-        with only_blocks(backbone, self.num_lower, None, final_norm=True):
-            output = backbone(
-                inputs_embeds=residual,
-                attention_mask=batch.attention_mask,
-                position_ids=positions_from_mask(batch.attention_mask),
-                use_cache=False,
-            )
-        return output.last_hidden_state
+        return upper_hidden_states(backbone, residual, batch.attention_mask, self.num_lower)
