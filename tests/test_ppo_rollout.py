@@ -12,8 +12,9 @@ from fixtures.tiny_ppo import one_thread  # noqa: F401  (autouse: one intra-op t
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
-from rlhf_core.models.heads import Critic, RewardModel, final_hidden_states
+from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,

@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import TinyModelConfig
 from rlhf_core.data.records import PreferencePair
-from rlhf_core.models.blocks import only_blocks
+from rlhf_core.models.blocks import final_hidden_states, only_blocks
 from rlhf_core.models.chat import end_of_turn_id
-from rlhf_core.models.heads import RewardModel, final_hidden_states
+from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.reward.batch import collate_pairs, encode_pairs

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import encode_conversation
-from rlhf_core.models.heads import final_hidden_states
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.sft.batch import IGNORE_INDEX, collate_sequences

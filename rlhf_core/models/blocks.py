@@ -41,18 +41,25 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def _run(backbone: PreTrainedModel, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
+    """The backbone's last hidden state for `input_ids` or `inputs_embeds`, positions from the mask."""
+    output = backbone(
+        attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask), use_cache=False, **inputs
+    )
+    return output.last_hidden_state
+
+
+def final_hidden_states(backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Last-layer hidden states [B, T, H] of every block and the final norm (padding-proof positions)."""
+    return _run(backbone, attention_mask, input_ids=input_ids)
+
+
 def lower_residual(
     backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, num_lower: int
 ) -> Tensor:
     """The residual stream [B, T, H] after the embedding and blocks `0 .. num_lower - 1`."""
     with only_blocks(backbone, 0, num_lower, final_norm=False):
-        output = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        )
-    return output.last_hidden_state
+        return _run(backbone, attention_mask, input_ids=input_ids)
 
 
 def upper_hidden_states(
@@ -60,10 +67,4 @@ def upper_hidden_states(
 ) -> Tensor:
     """Final hidden states [B, T, H]: blocks `num_lower ..` and the final norm run on `residual` [B, T, H]."""
     with only_blocks(backbone, num_lower, None, final_norm=True):
-        output = backbone(
-            inputs_embeds=residual,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        )
-    return output.last_hidden_state
+        return _run(backbone, attention_mask, inputs_embeds=residual)

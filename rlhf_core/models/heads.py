@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.models.blocks import positions_from_mask
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import reply_end_positions
 from rlhf_core.models.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rlhf_core.models.saving import HeadConfig, load_scalar_head_model, save_scalar_head_model
@@ -44,17 +44,6 @@ def new_scalar_head(backbone: PreTrainedModel, seed: int) -> nn.Linear:
         head.weight.copy_(torch.randn(1, hidden_size, generator=generator) / math.sqrt(hidden_size + 1))
         head.bias.zero_()
     return head.to(device=embeddings.device, dtype=embeddings.dtype)
-
-
-def final_hidden_states(backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Last-layer hidden states [B, T, H], with positions counted over real tokens only (padding-proof)."""
-    output = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions_from_mask(attention_mask),
-        use_cache=False,
-    )
-    return output.last_hidden_state
 
 
 def _lm_head_mode(lm_head: nn.Linear | None, backbone: PreTrainedModel) -> str:

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rlhf_core.models.blocks import upper_hidden_states
-from rlhf_core.models.heads import final_hidden_states
+from rlhf_core.models.blocks import final_hidden_states, upper_hidden_states
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,14 @@ from rlhf_core.distributed.collectives import (
 from rlhf_core.distributed.context import rank_context
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.distributed.zero import gathered_for_generation, gathered_parameters
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import (
     EncodedConversation,
     Messages,
     encode_conversation,
     encode_prompt,
 )
-from rlhf_core.models.heads import Critic, final_hidden_states
+from rlhf_core.models.heads import Critic
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import reply_end_positions
-from rlhf_core.models.heads import RewardModel, final_hidden_states
+from rlhf_core.models.heads import RewardModel
 from rlhf_core.reward.batch import PairBatch
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
 from rlhf_core.sft.batch import SequenceBatch

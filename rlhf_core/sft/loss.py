@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from rlhf_core.models.heads import final_hidden_states
+from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.sft.batch import IGNORE_INDEX, SequenceBatch
 
 
