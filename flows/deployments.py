@@ -1,11 +1,13 @@
 """The deployments, defined once: `rlhf-pipeline`, `rlhf-promote` and `rlhf-human-eval` (manual,
-parameterised) and `rlhf-retrain` (cron).
+parameterised), `rlhf-retrain` (cron), and `rlhf-stage` (one training stage, started by the pipeline for
+its remote stages: flows/remote_stage.py).
 
 Two ways to run them, from the same definitions:
 - `rlhf serve` serves them from this machine (`serve_deployments`): no work pool or worker needed;
   press Run in the Prefect UI, fill in the form, and this process runs the flow;
 - `prefect deploy --all` reads `prefect.yaml`, which declares the same deployments for work pools
-  (tests/test_orchestration_deployments.py checks that the two agree).
+  (tests/test_orchestration_deployments.py checks that the two agree): `rlhf-stage` on the GPU pool
+  `rlhf-gpu`, the others on the CPU pool `rlhf-cpu`.
 
 Served deployments point at their flows by module path (`flows.pipeline.rlhf_pipeline`), which
 works from any directory with the project installed; the flows resolve relative paths (params.yaml,
@@ -24,11 +26,15 @@ from prefect.schedules import Cron
 from flows.human_eval import rlhf_human_eval
 from flows.pipeline import rlhf_pipeline
 from flows.promote import rlhf_promote
+from flows.remote_stage import rlhf_stage
 from flows.retrain import rlhf_retrain
+from tasks.remote import STAGE_DEPLOYMENT_NAME
 
 TAGS = ("rlhf",)
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00
 RETRAIN_TIMEZONE = "UTC"
+CPU_POOL = "rlhf-cpu"
+GPU_POOL = "rlhf-gpu"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class DeploymentSpec:
     timezone: str = RETRAIN_TIMEZONE
     concurrency_limit: int | None = None
     tags: tuple[str, ...] = TAGS
+    work_pool: str = CPU_POOL  # the pool prefect.yaml deploys it to (`rlhf serve` needs none)
 
 
 DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
@@ -75,6 +82,13 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         entrypoint="flows/human_eval.py:rlhf_human_eval",
         description="People judge model A against model B pair by pair in forms; rerun on the same out_dir to resume.",
         parameters={"settings": {"generations": "artifacts/eval/generations.jsonl", "out_dir": "artifacts/human-eval"}},
+    ),
+    DeploymentSpec(
+        name=STAGE_DEPLOYMENT_NAME,
+        flow=rlhf_stage,
+        entrypoint="flows/remote_stage.py:rlhf_stage",
+        description="One training stage for a pipeline run (its remote.stages): inputs and output by s3:// URI.",
+        work_pool=GPU_POOL,
     ),
 )
 

@@ -13,8 +13,9 @@ config overlays and overrides, the data source, and the stages to run. The flow
 5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
    earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`). The evaluate stage
    compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (the reward
-   model by default, in-sample: the one PPO optimised against); register tags the policy version with
-   that evaluation and with the stage outputs it came from,
+   model by default, in-sample: the one PPO optimised against; with `evaluation.judge_rm: independent`
+   the judge-reward stage trains a second reward model on the PPO-prompt split to judge with instead);
+   register tags the policy version with that evaluation and with the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, so the flow run is Failed with it.
 
@@ -41,7 +42,16 @@ from tasks.lineage import pipeline_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
 from tasks.registry import RegisteredVersion, lineage_output_tags
-from tasks.stages import StageContext, ppo_task, prepare_data_task, register_task, reward_task, sft_task
+from tasks.remote import RemoteStages, run_training_stage
+from tasks.stages import (
+    StageContext,
+    judge_reward_task,
+    ppo_task,
+    prepare_data_task,
+    register_task,
+    reward_task,
+    sft_task,
+)
 
 CACHE_DIR_NAME = ".cache"
 RUN_ID_CHARS = 8
@@ -53,6 +63,7 @@ class Stage(str, Enum):
     PREPARE_DATA = "prepare-data"
     SFT = "sft"
     REWARD = "reward"
+    JUDGE_REWARD = "judge-reward"
     PPO = "ppo"
     EVALUATE = "evaluate"
     REGISTER = "register"
@@ -63,10 +74,13 @@ NEEDS: dict[Stage, tuple[Stage, ...]] = {
     Stage.PREPARE_DATA: (),
     Stage.SFT: (Stage.PREPARE_DATA,),
     Stage.REWARD: (Stage.PREPARE_DATA, Stage.SFT),
+    Stage.JUDGE_REWARD: (Stage.PREPARE_DATA,),
     Stage.PPO: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD),
-    Stage.EVALUATE: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.PPO),
-    Stage.REGISTER: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.PPO, Stage.EVALUATE),
+    Stage.EVALUATE: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.JUDGE_REWARD, Stage.PPO),
+    Stage.REGISTER: (Stage.PREPARE_DATA, Stage.SFT, Stage.REWARD, Stage.JUDGE_REWARD, Stage.PPO, Stage.EVALUATE),
 }
+# judge-reward runs only when `evaluation.judge_rm` is independent (EvaluationConfig.trains_judge_rm);
+# otherwise the evaluation judges with the reward model PPO optimised against.
 
 
 class PipelineSettings(BaseModel):
@@ -90,6 +104,10 @@ class PipelineSettings(BaseModel):
     )
     params_file: str = Field("params.yaml", description="The base parameter file.")
     runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+    remote: RemoteStages = Field(
+        default_factory=RemoteStages,
+        description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",
+    )
 
 
 DEFAULT_SETTINGS = PipelineSettings()
@@ -157,21 +175,30 @@ def run_stages(
     context: StageContext,
     cache_dir: Path,
     lineage: dict[str, str],
+    remote: RemoteStages,
 ) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
-    """Run the selected stages in order, each with its cache in `cache_dir`."""
+    """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere."""
     outputs: dict[str, StageOutput] = {}
     registered: list[RegisteredVersion] = []
     if Stage.PREPARE_DATA in selected:
         outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
     if Stage.SFT in selected:
-        outputs["sft"] = with_cache_dir(sft_task, cache_dir)(config, outputs["prepare-data"], context)
+        outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
     if Stage.REWARD in selected:
-        outputs["reward"] = with_cache_dir(reward_task, cache_dir)(
-            config, outputs["prepare-data"], outputs["sft"], context
+        outputs["reward"] = run_training_stage(
+            reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
         )
+    if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
+        outputs["judge-reward"] = with_cache_dir(judge_reward_task, cache_dir)(config, outputs["prepare-data"], context)
     if Stage.PPO in selected:
-        outputs["ppo"] = with_cache_dir(ppo_task, cache_dir)(
-            config, outputs["prepare-data"], outputs["sft"], outputs["reward"], context
+        outputs["ppo"] = run_training_stage(
+            ppo_task,
+            config,
+            context,
+            remote,
+            data=outputs["prepare-data"],
+            sft_output=outputs["sft"],
+            reward_output=outputs["reward"],
         )
     if Stage.EVALUATE in selected:
         outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
@@ -179,12 +206,13 @@ def run_stages(
             outputs["prepare-data"],
             outputs["ppo"],
             outputs["sft"],
-            judge_spec(config, outputs["reward"]),
+            judge_spec(config, outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]),
             context,
             names=("PPO policy", "SFT model"),
         )
     if Stage.REGISTER in selected:
-        made_from = lineage_output_tags({stage: outputs[stage] for stage in ("prepare-data", "sft")})
+        lineage_stages = ("prepare-data", "sft", "judge-reward")
+        made_from = lineage_output_tags({stage: outputs[stage] for stage in lineage_stages if stage in outputs})
         registered = register_task(
             config,
             outputs["reward"],
@@ -228,8 +256,9 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
     )
     context = StageContext(run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking)
     try:
+        settings.remote.check_tracking(tracking.tracking_uri)
         outputs, registered = run_stages(
-            config, source, stages_to_run(settings.stages), context, context.cache_dir, lineage
+            config, source, stages_to_run(settings.stages), context, context.cache_dir, lineage, settings.remote
         )
         record_stage_runs(tracking, outputs)
     except BaseException as error:

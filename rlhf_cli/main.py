@@ -63,6 +63,7 @@ def prepare_data(
 
 app.command("sft")(stage_commands.sft)
 app.command("train-rm")(stage_commands.train_rm)
+app.command("judge-rm")(stage_commands.judge_rm)
 app.command("score-pairs")(stage_commands.score_pairs)
 app.command("ppo")(ppo_command.ppo)
 app.command("eval")(eval_command)

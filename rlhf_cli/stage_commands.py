@@ -1,4 +1,5 @@
-"""The `rlhf sft`, `rlhf train-rm` and `rlhf score-pairs` subcommands (registered in rlhf_cli/main.py).
+"""The `rlhf sft`, `rlhf train-rm`, `rlhf judge-rm` and `rlhf score-pairs` subcommands (registered in
+rlhf_cli/main.py).
 
 They follow the CLI's conventions: `--config FILE` overlays (repeatable), `-s key.path=value` overrides
 (repeatable), `--params FILE`, `--out DIR` (default `artifacts/<stage>/`). Stage code
@@ -16,11 +17,18 @@ from rlhf_cli.launching import run_training_stage
 from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, SftDirOption, resolve_config
 
 
-
-
 def _resumed_note(metrics: dict[str, float]) -> str:
     resumed = int(metrics.get("resumed_from", 0))
     return f" (resumed from checkpoint step {resumed})" if resumed else ""
+
+
+def _selection_note(metrics: dict[str, float]) -> str:
+    """A reward model's selection: its best step and validation accuracy with the 95% interval."""
+    return (
+        f"best step {int(metrics['best_step'])}: validation accuracy {metrics['val/accuracy']:.3f} "
+        f"(95% CI {metrics['val/accuracy_low']:.3f}-{metrics['val/accuracy_high']:.3f}) "
+        f"on {int(metrics['val/pairs'])} pairs"
+    )
 
 
 def sft(
@@ -75,11 +83,27 @@ def train_rm(
     metrics = result.metrics
     typer.echo(
         f"train-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs"
-        f"{_resumed_note(metrics)}; best step {int(metrics['best_step'])}: validation accuracy "
-        f"{metrics['val/accuracy']:.3f} "
-        f"(95% CI {metrics['val/accuracy_low']:.3f}-{metrics['val/accuracy_high']:.3f}) "
-        f"on {int(metrics['val/pairs'])} pairs, mean margin {metrics['val/margin_mean']:.3f}; "
+        f"{_resumed_note(metrics)}; {_selection_note(metrics)}, mean margin {metrics['val/margin_mean']:.3f}; "
         f"model in {result.model_dir}"
+    )
+
+
+def judge_rm(
+    data_dir: DataDirOption = Path("artifacts/data"),
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    out: OutOption = None,
+) -> None:
+    """Train the independent judge reward model on the PPO-prompt split (from the base model) to judge with."""
+    from rlhf_core.stages.judge_reward import run_judge_rm
+
+    resolved = resolve_config(params, config, set_)
+    out_dir = out if out is not None else Path("artifacts/judge_reward")
+    metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
+    typer.echo(
+        f"judge-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs of the PPO-prompt "
+        f"split{_resumed_note(metrics)}; {_selection_note(metrics)}; judge with `rlhf eval --rm-dir {out_dir}`"
     )
 
 

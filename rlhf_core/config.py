@@ -336,9 +336,23 @@ class EvaluationConfig(Section):
         max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1
     )
     tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
+    judge_rm: Literal["in_sample", "independent"] = Field(
+        "in_sample",
+        description="RM judge: in_sample judges with the reward model PPO optimised against (the report "
+        "flags it); independent trains a second reward model on the PPO-prompt split to judge with.",
+    )
     llm_model: str = "gpt-4o"
     llm_concurrency: int = Field(4, ge=1)
     llm_max_retries: int = Field(3, ge=0)
+
+    @property
+    def trains_judge_rm(self) -> bool:
+        """Whether the pipeline trains the independent judge reward model: asked for, and an rm judge.
+
+        The human judge falls back to the reward model inside the pipeline (tasks/evaluation.py), so
+        only the LLM judge leaves the judge reward model unused.
+        """
+        return self.judge_rm == "independent" and self.judge != "llm"
 
 
 class TrackingConfig(Section):

@@ -92,7 +92,8 @@ class JudgeSpec(BaseModel):
 
 
 def judge_spec(config: Config, reward: StageOutput) -> JudgeSpec:
-    """The judge `evaluation.judge` names, with `reward` as the reward model of the rm judge.
+    """The judge `evaluation.judge` names, with `reward` as the reward model of the rm judge (the pipeline
+    passes the policy's reward model, or the independent judge reward model: `evaluation.judge_rm`).
 
     People judge in the rlhf-human-eval flow, not inside a pipeline run, so with `human` the pipeline's
     evaluation uses the reward model (and says so in the log); the LLM judge needs its endpoint's
@@ -182,13 +183,15 @@ def read_report(output: StageOutput) -> EvaluationReport:
 
 
 def evaluation_tags(output: StageOutput) -> dict[str, str]:
-    """Tags for the evaluated model version: status, the MLflow run, judge, baseline and headline figures."""
+    """Tags for the evaluated model version: status, the MLflow run, the judge (kind, in-sample or not, and
+    its description: which reward model, trained on what), baseline and headline figures."""
     report = read_report(output)
     tags = {
         EVALUATION_STATUS_TAG: EVALUATED,
         f"{EVALUATION_TAG_PREFIX}run_id": str(output.mlflow_run_id),
         f"{EVALUATION_TAG_PREFIX}judge": report.judge.kind,
         f"{EVALUATION_TAG_PREFIX}judge_in_sample": str(report.judge.in_sample).lower(),
+        f"{EVALUATION_TAG_PREFIX}judge_description": report.judge.description,
         f"{EVALUATION_TAG_PREFIX}baseline": report.model_b,
     }
     tags |= {

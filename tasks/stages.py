@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from rlhf_core.distributed.launcher import launch_stage
-from rlhf_core.stages import ppo, prepare_data, reward, sft
+from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
 from rlhf_core.stages.result import METRICS_FILE
 from rlhf_core.training.logger import MetricsLogger
 from tasks.artifacts import ProgressArtifactLogger, publish_samples, publish_summary, read_samples
@@ -64,13 +64,23 @@ SAMPLES_FILE = "samples.jsonl"
 FINAL_METRIC_PREFIX = "final."
 
 # Each stage's directory inside the run directory (the layout of `artifacts/` and dvc.yaml).
-OUTPUT_DIRS = {"prepare-data": "data", "sft": "sft", "reward": "reward", "ppo": "ppo", "evaluate": "eval"}
+OUTPUT_DIRS = {
+    "prepare-data": "data",
+    "sft": "sft",
+    "reward": "reward",
+    "judge-reward": "judge_reward",
+    "ppo": "ppo",
+    "evaluate": "eval",
+}
 
 # Config sections each stage reads; they (and config.seed) enter its cache key and its MLflow params.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "prepare-data": ("data", "model"),
     "sft": ("model", "sft", "distributed"),
     "reward": ("model", "reward", "distributed"),
+    # The independent judge reward model reads the reward settings too; evaluation.judge_rm only decides
+    # whether it runs, so changing other evaluation settings does not retrain it.
+    "judge-reward": ("model", "reward", "distributed"),
     "ppo": ("model", "ppo", "distributed"),
     "evaluate": ("model", "sft", "reward", "evaluation"),  # sft, reward: perplexity and RM batch sizes
 }
@@ -271,6 +281,24 @@ def reward_task(config: Config, data: StageOutput, sft_output: StageOutput, cont
         result = reward.run_train_rm(
             config, data.out_dir, sft_output.out_dir, run.out_dir, logger=run.progress_logger()
         )
+        return run.finish(result.model_dir)
+
+
+@task(
+    name="judge-reward",
+    cache_policy=StageCachePolicy(
+        stage="judge-reward", config_sections=STAGE_SECTIONS["judge-reward"], content_inputs=("data",)
+    ),
+    **STAGE_TASK_OPTIONS,
+)
+def judge_reward_task(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
+    """The independent judge reward model, trained on the PPO-prompt split (rlhf_core.stages.judge_reward).
+
+    Its MLflow params are the settings it trains with: the `reward` section with `init_from: base`.
+    """
+    settings = judge_reward.judge_config(config)
+    with tracked_training_stage("judge-reward", settings, context, {"data": data.content_hash}) as run:
+        result = judge_reward.run_judge_rm(settings, data.out_dir, run.out_dir, logger=run.progress_logger())
         return run.finish(result.model_dir)
 
 

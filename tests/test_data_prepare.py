@@ -23,7 +23,8 @@ from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.data.validation import DataValidationError, TokenLengths
 
-OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet", REPORT_FILE, "metrics.json"}
+OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet",
+                "ppo_pairs.parquet", REPORT_FILE, "metrics.json"}
 
 
 def word_lengths(pair: PreferencePair) -> TokenLengths:
@@ -159,8 +160,10 @@ def test_outputs_round_trip_and_report_matches_them(tmp_path: Path) -> None:
 
     pairs = {name: load_split(out_dir, name) for name in ("rm_train", "rm_val", "eval")}
     sft, ppo = load_split(out_dir, "sft"), load_split(out_dir, "ppo_prompts")
+    ppo_pairs = load_split(out_dir, "ppo_pairs")
     assert report.split_counts == {**{name: len(items) for name, items in pairs.items()},
-                                   "sft": len(sft), "ppo_prompts": len(ppo)}
+                                   "sft": len(sft), "ppo_prompts": len(ppo), "ppo_pairs": len(ppo_pairs)}
+    assert [pair.prompt_id for pair in ppo_pairs] == [prompt.prompt_id for prompt in ppo]  # one pair per prompt
     assert sum(len(items) for items in pairs.values()) + len(ppo) == 120  # one pair per prompt here
     assert all(len(items) > 0 for items in (*pairs.values(), sft, ppo))
     first = pairs["rm_train"][0]

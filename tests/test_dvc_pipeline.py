@@ -36,13 +36,15 @@ CONTRACT_PENDING_COMMANDS = {
     "ppo": COMMON_OPTIONS | {"--data-dir", "--sft-dir", "--rm-dir"},
 }
 CONTRACT_PENDING_FILES = {"rlhf_core/stages/sft.py", "rlhf_core/stages/reward.py", "rlhf_core/stages/ppo.py"}
-STAGE_COMMANDS = {"prepare_data": "prepare-data", "sft": "sft", "train_rm": "train-rm", "ppo": "ppo"}
+STAGE_COMMANDS = {"prepare_data": "prepare-data", "sft": "sft", "train_rm": "train-rm", "judge_rm": "judge-rm",
+                  "ppo": "ppo"}
 STAGE_MODULES = {"prepare_data": "rlhf_core.stages.prepare_data", "sft": "rlhf_core.stages.sft",
-                 "train_rm": "rlhf_core.stages.reward", "ppo": "rlhf_core.stages.ppo"}
+                 "train_rm": "rlhf_core.stages.reward", "judge_rm": "rlhf_core.stages.judge_reward",
+                 "ppo": "rlhf_core.stages.ppo"}
 STAGE_OUT_DIRS = {"prepare_data": "artifacts/data", "sft": "artifacts/sft", "train_rm": "artifacts/reward",
-                  "ppo": "artifacts/ppo"}
+                  "judge_rm": "artifacts/judge_reward", "ppo": "artifacts/ppo"}
 UPSTREAM = {"prepare_data": set(), "sft": {"prepare_data"}, "train_rm": {"prepare_data", "sft"},
-            "ppo": {"prepare_data", "sft", "train_rm"}}
+            "judge_rm": {"prepare_data"}, "ppo": {"prepare_data", "sft", "train_rm"}}
 TINY_OVERLAY = "overlays.yaml:overlay.config=[configs/tiny.yaml]"
 
 
@@ -194,9 +196,12 @@ def test_only_prepared_data_is_cached_and_everything_lies_in_the_stage_directory
         metrics = [out.def_path for out in stage.outs if out.metric]
         assert metrics == [f"{STAGE_OUT_DIRS[name]}/metrics.json"]
     model_outs = [out.def_path for stage in stages.values() for out in stage.outs if out.def_path.endswith("/model")]
-    assert model_outs == ["artifacts/sft/model", "artifacts/reward/model", "artifacts/ppo/model"]
+    assert model_outs == [
+        "artifacts/sft/model", "artifacts/reward/model", "artifacts/judge_reward/model", "artifacts/ppo/model"
+    ]
     assert [out.def_path for stage in stages.values() for out in stage.outs if out.plot] == [
         "artifacts/reward/plots/reward_margin_hist.png",
+        "artifacts/judge_reward/plots/reward_margin_hist.png",
         "artifacts/ppo/plots",
     ]
 

@@ -4,8 +4,8 @@
 writes the output directory atomically (rlhf_core.atomic.atomic_directory), so a failed run leaves no output and
 never touches the previous good one. Output files:
 
-    rm_train.parquet, rm_val.parquet, eval.parquet   pairs: pair_id, prompt_id, prompt, chosen,
-                                                     rejected, source, line
+    rm_train.parquet, rm_val.parquet, eval.parquet,  pairs: pair_id, prompt_id, prompt, chosen,
+    ppo_pairs.parquet                                rejected, source, line
     sft.parquet                                      prompt_id, prompt, response
     ppo_prompts.parquet                              prompt_id, prompt
     data_report.json                                 DataReport (written last; marks the output complete)
@@ -45,8 +45,8 @@ from rlhf_core.data.validation import (
 
 REPORT_FILE = "data_report.json"
 METRICS_FILE = "metrics.json"
-PairSplitName = Literal["rm_train", "rm_val", "eval"]
-SplitName = Literal["rm_train", "rm_val", "eval", "sft", "ppo_prompts"]
+PairSplitName = Literal["rm_train", "rm_val", "eval", "ppo_pairs"]
+SplitName = Literal["rm_train", "rm_val", "eval", "sft", "ppo_prompts", "ppo_pairs"]
 
 PAIR_SCHEMA = pa.schema(
     [
@@ -188,11 +188,22 @@ def load_split(out_dir: Path, name: Literal["sft"]) -> list[SftExample]: ...
 @overload
 def load_split(out_dir: Path, name: Literal["ppo_prompts"]) -> list[PpoPrompt]: ...
 def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[SftExample] | list[PpoPrompt]:
-    """Read one prepared split back as records; refuses a directory without data_report.json."""
+    """Read one prepared split back as records; refuses a directory without data_report.json.
+
+    ppo_pairs.parquet is missing from data prepared by an older version of this project: the rows of
+    every split are the same, so preparing the same data again adds it and moves nothing.
+    """
     out_dir = Path(out_dir)
     if not (out_dir / REPORT_FILE).is_file():
         raise FileNotFoundError(f"{out_dir} holds no complete prepared data ({REPORT_FILE} is missing)")
-    rows = read_parquet(out_dir / f"{name}.parquet")
+    path = out_dir / f"{name}.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: {out_dir} was prepared by an older version; prepare the data again (the "
+            "splits do not change): `rlhf prepare-data`, or in the pipeline delete that directory and its "
+            "prepare-data stage runs again"
+        )
+    rows = read_parquet(path)
     if name == "sft":
         return [
             SftExample(prompt_id=row["prompt_id"], prompt=_prompt_from_row(row), response=row["response"])
@@ -291,6 +302,7 @@ def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -
             "eval": len(splits.eval),
             "sft": len(splits.sft),
             "ppo_prompts": len(splits.ppo_prompts),
+            "ppo_pairs": len(splits.ppo_pairs),
         },
         held_back_by_caps=splits.held_back_by_caps,
         token_lengths={
@@ -321,7 +333,13 @@ def _prompt_from_row(row: dict[str, Any]) -> tuple[Message, ...]:
 
 
 def _write_splits(directory: Path, splits: Splits) -> None:
-    for name, pairs in (("rm_train", splits.rm_train), ("rm_val", splits.rm_val), ("eval", splits.eval)):
+    pair_splits = (
+        ("rm_train", splits.rm_train),
+        ("rm_val", splits.rm_val),
+        ("eval", splits.eval),
+        ("ppo_pairs", splits.ppo_pairs),
+    )
+    for name, pairs in pair_splits:
         write_parquet(directory / f"{name}.parquet", [_pair_row(pair) for pair in pairs], PAIR_SCHEMA)
     sft_rows = [
         {"prompt_id": example.prompt_id, "prompt": [dict(message) for message in example.prompt],

@@ -4,7 +4,8 @@ The hash of (salt, prompt_id) is read as a number in [0, 1) and cut into consecu
 
     [0, eval)              eval      held-out prompts and pairs for final evaluation
     [.., + rm_val)         rm_val    reward-model validation pairs
-    [.., + ppo)            ppo       prompts the policy answers during PPO
+    [.., + ppo)            ppo       prompts the policy answers during PPO (their pairs train the
+                                     independent judge reward model)
     [.., 1)                rm_train  reward-model training pairs (and SFT examples)
 
 Because the split depends only on the prompt and the salt, every pair of one prompt lands in the same
@@ -87,6 +88,7 @@ class Splits:
     eval: list[PreferencePair]
     sft: list[SftExample]
     ppo_prompts: list[PpoPrompt]
+    ppo_pairs: list[PreferencePair]
     held_back_by_caps: dict[str, int]
 
 
@@ -120,7 +122,9 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
 
     SFT examples are the chosen replies of the (capped) rm_train pairs, one per distinct prompt+reply,
     so supervised fine-tuning never sees an eval, rm_val or PPO prompt. PPO prompts are the distinct
-    prompts of the ppo bucket; their pairs are used for nothing else.
+    prompts of the ppo bucket. The ppo bucket's pairs (all of them: `max_ppo_prompts` caps the prompts
+    PPO answers, not this list) train only the independent judge reward model, which is so disjoint
+    from the policy reward model's rm_train pairs, from rm_val and from eval.
     """
     buckets = {pair.prompt_id: prompt_bucket(pair.prompt_id, config.salt) for pair in pairs}
     by_split: dict[Split, list[PreferencePair]] = {split: [] for split in Split}
@@ -153,7 +157,7 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
     }
     return Splits(
         rm_train=rm_train, rm_val=rm_val, eval=eval_pairs, sft=sft, ppo_prompts=ppo_prompts,
-        held_back_by_caps=held_back,
+        ppo_pairs=by_split[Split.PPO], held_back_by_caps=held_back,
     )
 
 

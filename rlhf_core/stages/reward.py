@@ -13,7 +13,9 @@ reused by every later epoch and validation (`reward.cache_frozen_layers`, rlhf_c
 The output model is the checkpoint with the best validation accuracy: every improvement is saved to
 model/ (loadable with `RewardModel.from_pretrained`, as PPO does). At the end that model is scored on
 every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses) and
-plots/reward_margin_hist.png (the paper's Figure 2).
+plots/reward_margin_hist.png (the paper's Figure 2); training_data.json records the splits it was
+trained and validated on and the model it started from (rlhf_core/reward/training_data.py). The same
+function trains the independent judge reward model on the PPO-prompt split (stages/judge_reward.py).
 
 Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs `run_train_rm` on its
 shard of every step's pairs (the batch settings are per rank); only rank 0 saves model/, writes the
@@ -49,6 +51,7 @@ from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
 from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
 from rlhf_core.reward.scoring import PairScores, pair_outputs, score_pair_batches
+from rlhf_core.reward.training_data import TrainSplit, training_data_record, write_training_data
 from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
 from rlhf_core.stages.prepare_data import resolve_sources
@@ -189,9 +192,18 @@ def reward_loss_fn(
 
 
 def run_train_rm(
-    config: Config, data_dir: Path, sft_dir: Path | None, out_dir: Path, logger: MetricsLogger | None = None
+    config: Config,
+    data_dir: Path,
+    sft_dir: Path | None,
+    out_dir: Path,
+    logger: MetricsLogger | None = None,
+    train_split: TrainSplit = "rm_train",
 ) -> StageResult:
-    """Train the reward model on `rm_train`, select it by `rm_val` accuracy, and write it to `out_dir`."""
+    """Train the reward model on `train_split`, select it by `rm_val` accuracy, and write it to `out_dir`.
+
+    `train_split` is rm_train for the reward model PPO optimises against, ppo_pairs for the independent
+    judge (rlhf_core/stages/judge_reward.py); out_dir/training_data.json records which it was.
+    """
     started = time.monotonic()
     settings = config.reward
     context = stage_context(config.distributed)
@@ -200,7 +212,7 @@ def run_train_rm(
     out_dir.mkdir(parents=True, exist_ok=True)
     mark_incomplete(out_dir)
     # Read the data first: a wrong path fails before any model loads.
-    train_records, val_records = load_split(data_dir, "rm_train"), load_split(data_dir, "rm_val")
+    train_records, val_records = load_split(data_dir, train_split), load_split(data_dir, "rm_val")
     device = training_device()
     model, tokenizer, init_files = initial_reward_model(config, sft_dir, device)
     pad_id = tokenizer.pad_token_id
@@ -210,13 +222,17 @@ def run_train_rm(
         raise ValueError(
             f"{data_dir}: the rm_val split has no usable pairs; the reward model cannot be selected"
         )
+    if not train_pairs.pairs:
+        raise ValueError(f"{data_dir}: the {train_split} split has no usable pairs to train the reward model on")
     train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
     val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, pad_id)
     with_lm = settings.beta_rm > 0
     model_dir = out_dir / MODEL_DIR
     checkpoint_dir = out_dir / CHECKPOINTS_DIR
     run_state = RunState(
-        run_fingerprint(stage_settings(config, "reward"), [data_dir / REPORT_FILE, *init_files]),
+        run_fingerprint(
+            {**stage_settings(config, "reward"), "train_split": train_split}, [data_dir / REPORT_FILE, *init_files]
+        ),
         checkpoint_dir,
     )
 
@@ -237,7 +253,9 @@ def run_train_rm(
     history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
     try:
         logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
-        logger_for_loop.log_params({"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir)})
+        logger_for_loop.log_params(
+            {"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir), "train_split": train_split}
+        )
         result = train(
             model,
             plan,
@@ -272,6 +290,7 @@ def run_train_rm(
         "pairs_dropped_too_long": float(len(train_pairs.too_long) + len(val_pairs.too_long)),
         "wall_seconds": time.monotonic() - started,
     }
+    write_training_data(out_dir, training_data_record(data_dir, train_split, settings.init_from))
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=model_dir)
 

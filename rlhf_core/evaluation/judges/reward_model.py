@@ -9,7 +9,8 @@ evaluation prompts were length-filtered by `data.max_total_tokens` and the repli
 A margin r(x, y_A) - r(x, y_B) within +-`tie_margin` is a tie (with the default 0, only equal scores
 tie). The reward model PPO optimised against is an IN-SAMPLE judge: the policy learned to please
 exactly this model, so the report flags it, and a second reward model trained on a disjoint split is
-the better judge.
+the better judge (stages/judge_reward.py); the report says what a judge was trained on when its
+directory holds training_data.json (rlhf_core/reward/training_data.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_d
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.reward.training_data import RewardTrainingData, read_training_data
 from rlhf_core.sft.batch import collate_sequences
 
 
@@ -70,6 +72,7 @@ class RewardModelJudge:
         batch_size: int,
         source: str,
         in_sample: bool,
+        training_data: RewardTrainingData | None = None,
     ) -> None:
         if tie_margin < 0:
             raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
@@ -79,6 +82,7 @@ class RewardModelJudge:
         self.batch_size = batch_size
         self.source = source
         self.in_sample = in_sample
+        self.training_data = training_data
         self._pairs_judged = 0
 
     @classmethod
@@ -94,7 +98,15 @@ class RewardModelJudge:
         """Load the reward model of a train-rm output directory (or of a saved reward-model directory)."""
         model_dir = resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)
         reward_model = RewardModel.from_pretrained(model_dir, dtype=dtype, device=device)
-        return cls(reward_model, load_tokenizer(model_dir), tie_margin, batch_size, str(rm_dir), in_sample)
+        return cls(
+            reward_model,
+            load_tokenizer(model_dir),
+            tie_margin,
+            batch_size,
+            str(rm_dir),
+            in_sample,
+            read_training_data(Path(rm_dir)),
+        )
 
     def judge(self, pairs: Sequence[EvalPair]) -> list[Judgement]:
         """One verdict per pair from the score margin; the scores go into the detail.
@@ -120,12 +132,14 @@ class RewardModelJudge:
         ]
 
     def info(self) -> JudgeInfo:
-        """The reward model's location, the tie margin and whether it is the in-sample judge."""
-        sample = (
-            "IN-SAMPLE: taken to be the reward model PPO optimised against, so it favours the PPO policy"
-            if self.in_sample
-            else "independent of the reward model PPO optimised against"
-        )
+        """The reward model's location, the tie margin, whether it is the in-sample judge, and what it was
+        trained on when its directory says."""
+        if self.in_sample:
+            sample = "IN-SAMPLE: taken to be the reward model PPO optimised against, so it favours the PPO policy"
+        elif self.training_data is not None:
+            sample = f"independent reward model ({self.training_data.describe()})"
+        else:
+            sample = "independent of the reward model PPO optimised against"
         return JudgeInfo(
             kind="rm",
             name=f"reward model {self.source}",

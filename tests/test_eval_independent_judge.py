@@ -1,0 +1,133 @@
+"""The independent judge reward model (`evaluation.judge_rm: independent`, issue 6 scope item 3).
+
+- rlhf_core: `run_judge_rm` trains on the PPO-prompt split's pairs, from the base model, and its
+  training_data.json names the file it read (checked against the file's bytes): not one of its prompts
+  is a prompt the policy reward model (rm_train), SFT, validation or evaluation saw.
+- config: a bad `evaluation.judge_rm` is an error naming the key and the allowed values.
+- the pipeline, in this process against a real Prefect server and a SQLite MLflow store: with
+  `independent` the judge-reward stage runs, the evaluation is judged by it, is not flagged in-sample
+  and says what the judge was trained on, and registration tags the policy with that judge; with the
+  default `in_sample` the judge-reward stage does not run and the evaluation is flagged in-sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from fixtures.pairs import write_topic_pairs
+from fixtures.tiny_ppo import one_thread, tiny_config, write_stage_inputs  # noqa: F401  (one_thread: autouse)
+from mlflow import MlflowClient
+
+from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+from rlhf_core.config import ConfigError
+from rlhf_core.data.prepare import load_split
+from rlhf_core.reward.training_data import read_training_data
+from rlhf_core.stages.judge_reward import run_judge_rm
+from rlhf_core.stages.reward import run_train_rm
+from tasks.registry import LINEAGE_OUTPUT_PREFIX
+
+REPO = Path(__file__).resolve().parents[1]
+INDEPENDENT = (
+    "independent reward model (trained on the PPO-prompt split, validated on rm_val, initialised from the base model)"
+)
+PIPELINE_OVERRIDES = ["ppo.steps=1", "evaluation.max_prompts=4"]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prompt_ids(data_dir: Path, split: str) -> set[str]:
+    return {item.prompt_id for item in load_split(data_dir, split)}  # type: ignore[arg-type]
+
+
+def test_the_judge_trains_on_pairs_disjoint_from_the_policy_reward_model(tmp_path: Path) -> None:
+    inputs = write_stage_inputs(tmp_path, pairs=120)
+    config = tiny_config()
+    policy = run_train_rm(config, inputs.data_dir, inputs.sft_dir, tmp_path / "reward")
+    judge = run_judge_rm(config, inputs.data_dir, tmp_path / "judge")
+
+    policy_record, judge_record = read_training_data(tmp_path / "reward"), read_training_data(tmp_path / "judge")
+    assert policy_record is not None and judge_record is not None
+    assert (policy_record.train_split, policy_record.init_from) == ("rm_train", "sft")
+    assert (judge_record.train_split, judge_record.init_from) == ("ppo_pairs", "base")
+    assert policy_record.validation_split == judge_record.validation_split == "rm_val"
+    assert policy_record.train_file_sha256 == file_sha256(inputs.data_dir / "rm_train.parquet")
+    assert judge_record.train_file_sha256 == file_sha256(inputs.data_dir / "ppo_pairs.parquet")
+
+    judge_prompts = prompt_ids(inputs.data_dir, "ppo_pairs")
+    assert judge_prompts and judge.metrics["train_pairs"] == len(load_split(inputs.data_dir, "ppo_pairs"))
+    assert policy.metrics["train_pairs"] == len(load_split(inputs.data_dir, "rm_train"))
+    for other in ("rm_train", "sft", "rm_val", "eval"):
+        assert judge_prompts.isdisjoint(prompt_ids(inputs.data_dir, other)), other
+    assert judge_prompts == prompt_ids(inputs.data_dir, "ppo_prompts")  # no cap bites at this size
+    history_params = json.loads((tmp_path / "judge" / "history.params.json").read_text())
+    assert (history_params["train_split"], history_params["reward"]["init_from"]) == ("ppo_pairs", "base")
+    assert judge.model_dir == tmp_path / "judge" / "model"
+
+
+def test_judge_rm_accepts_only_in_sample_or_independent() -> None:
+    assert tiny_config().evaluation.judge_rm == "in_sample"
+    assert tiny_config("evaluation.judge_rm=independent").evaluation.trains_judge_rm
+    assert not tiny_config("evaluation.judge_rm=independent", "evaluation.judge=llm").evaluation.trains_judge_rm
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_rm=held_out")
+    assert "evaluation.judge_rm: Input should be 'in_sample' or 'independent' (got 'held_out')" in str(error.value)
+
+
+def test_the_judge_refuses_a_multi_process_configuration(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"distributed.num_processes \* num_nodes = 2"):
+        run_judge_rm(tiny_config("distributed.num_processes=2"), tmp_path / "data", tmp_path / "judge")
+
+
+@pytest.fixture
+def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
+    """A fresh working directory with an embedded SQLite MLflow store; its client."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return MlflowClient(uri)
+
+
+def pipeline_settings(data: Path, judge_rm: str, stages: list[Stage]) -> PipelineSettings:
+    return PipelineSettings(
+        config=[str(REPO / "configs" / "tiny.yaml")],
+        overrides=[*PIPELINE_OVERRIDES, f"evaluation.judge_rm={judge_rm}"],
+        data=str(data),
+        stages=stages,
+        params_file=str(REPO / "params.yaml"),
+    )
+
+
+@pytest.mark.slow
+def test_the_pipeline_judges_with_the_independent_reward_model_only_when_asked(
+    mlflow_store: MlflowClient, tmp_path: Path
+) -> None:
+    data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
+    independent = rlhf_pipeline(pipeline_settings(data, "independent", [Stage.REGISTER]))
+
+    judge_output = independent.outputs["judge-reward"]
+    assert judge_output.out_dir == independent.run_dir / "judge_reward"
+    assert read_training_data(judge_output.out_dir).train_split == "ppo_pairs"  # type: ignore[union-attr]
+    report = json.loads((independent.outputs["evaluate"].out_dir / "report.json").read_text())
+    assert report["judge"]["in_sample"] is False
+    assert report["judge"]["name"] == f"reward model {judge_output.out_dir}"
+    assert INDEPENDENT in report["judge"]["description"]
+    report_md = (independent.outputs["evaluate"].out_dir / "report.md").read_text()
+    assert INDEPENDENT in report_md and "In-sample judge" not in report_md
+    assert independent.outputs["evaluate"].metrics["judge_in_sample"] == 0.0
+    (policy,) = [version for version in independent.registered if version.name == "rlhf-policy"]
+    tags = mlflow_store.get_model_version("rlhf-policy", policy.version).tags
+    assert tags["evaluation.judge_in_sample"] == "false"
+    assert tags["evaluation.judge_description"] == report["judge"]["description"]
+    assert tags[f"{LINEAGE_OUTPUT_PREFIX}judge-reward.out_dir"] == str(judge_output.out_dir)
+
+    in_sample = rlhf_pipeline(pipeline_settings(data, "in_sample", [Stage.EVALUATE]))
+    assert set(in_sample.outputs) == {"prepare-data", "sft", "reward", "ppo", "evaluate"}
+    assert in_sample.outputs["ppo"] == independent.outputs["ppo"]  # a cache hit: the judge changes no stage before
+    report = json.loads((in_sample.outputs["evaluate"].out_dir / "report.json").read_text())
+    assert report["judge"]["in_sample"] is True
+    assert report["judge"]["name"] == f"reward model {in_sample.outputs['reward'].out_dir}"

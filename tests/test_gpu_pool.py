@@ -1,0 +1,420 @@
+"""Training stages on a GPU work pool, handing files over by s3:// URI (tasks/transfer.py, tasks/remote.py,
+flows/remote_stage.py).
+
+Unit tests of the transfer against a real S3 server (`rclone serve s3`): a round trip, metrics.json
+uploaded last, a partial or corrupt upload never taken for a finished output.
+
+The integration scenario runs the pipeline the way infra/compose.yaml does, on loopback: two process
+work pools, `rlhf-cpu` for the pipeline flow and `rlhf-gpu` for the `rlhf-stage` deployment, each served
+by a `prefect worker start` subprocess in its own temporary directory (the flow runs' working
+directories), a real Prefect server, an MLflow server and the S3 store. The tiny pipeline runs up to the
+reward model with SFT remote: SFT runs on the GPU pool's worker, the reward model in the pipeline's own
+flow run on the downloaded SFT model.
+"""
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from botocore.client import BaseClient
+from fixtures.pairs import write_topic_pairs
+from fixtures.servers import S3Server, _Server, log_tail, start_server, stop_server
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.deployments.runner import EntrypointType
+from prefect.exceptions import ObjectAlreadyExists
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.workers.process import ProcessWorker
+from pydantic import ValidationError
+
+from flows.deployments import CPU_POOL, DEPLOYMENTS, GPU_POOL
+from flows.pipeline import PipelineSettings, rlhf_pipeline
+from rlhf_core.config import load_config
+from tasks.lineage import FLOW_RUN_ID_TAG
+from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
+from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
+from tasks.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
+from tasks.stages import StageContext
+from tasks.transfer import (
+    MANIFEST,
+    CorruptOutputError,
+    IncompleteOutputError,
+    download_output,
+    ensure_uploaded,
+    join_uri,
+    list_keys,
+    read_stored,
+    s3_client,
+    upload_output,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TRANSFER_BUCKET = "rlhf-transfer-test"
+HANDOVER_BUCKET = "rlhf-handover"
+PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
+WORKER_START_TIMEOUT_S = 120.0
+FLOW_RUN_TIMEOUT_S = 600
+
+
+# ------------------------------------------------------------------------------------------------
+# the transfer, against the S3 server
+
+
+def make_output(out_dir: Path, weights: bytes = b"weights-0") -> StageOutput:
+    """A finished training-stage directory: model files, records, checkpoints, metrics.json last."""
+    (out_dir / "model").mkdir(parents=True)
+    (out_dir / "model" / "model.safetensors").write_bytes(weights)
+    (out_dir / "model" / "config.json").write_text('{"layers": 2}')
+    (out_dir / "history.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (out_dir / "checkpoints" / "step-2").mkdir(parents=True)
+    (out_dir / "checkpoints" / "step-2" / "state.pt").write_bytes(b"optimizer state")
+    (out_dir / COMPLETE_MARKER).write_text('{"final_loss": 2.5}')
+    return StageOutput(
+        stage="sft",
+        out_dir=out_dir,
+        sha256=output_sha256(out_dir, out_dir / "model"),
+        metrics={"final_loss": 2.5},
+        model_dir=out_dir / "model",
+        mlflow_run_id="run-1",
+    )
+
+
+def record_put_keys(client: BaseClient) -> list[str]:
+    """The keys of the PutObject calls `client` makes from now on, in order (a botocore event hook)."""
+    keys: list[str] = []
+    client.meta.events.register("before-parameter-build.s3.PutObject", lambda params, **_: keys.append(params["Key"]))
+    return keys
+
+
+@pytest.fixture
+def store(s3_server: S3Server, tmp_path: Path) -> tuple[BaseClient, str]:
+    """A client of the S3 server and a fresh s3:// prefix for one test."""
+    s3_server.create_bucket(TRANSFER_BUCKET)
+    return s3_server.client(), f"s3://{TRANSFER_BUCKET}/{tmp_path.name}/sft"
+
+
+def test_round_trip_keeps_the_output_and_uploads_metrics_last(store: tuple[BaseClient, str], tmp_path: Path) -> None:
+    client, uri = store
+    output = make_output(tmp_path / "trained")
+    put_keys = record_put_keys(client)
+
+    stored = upload_output(output, uri, client)
+
+    prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
+    assert put_keys[-2:] == [prefix + MANIFEST, prefix + COMPLETE_MARKER]
+    assert sorted(list_keys(client, TRANSFER_BUCKET, prefix)) == sorted(
+        prefix + name
+        for name in ("model/model.safetensors", "model/config.json", "history.jsonl", MANIFEST, COMPLETE_MARKER)
+    )  # checkpoints stay where the stage trained
+    assert stored.uri == f"{uri}/" and read_stored(uri, client) == stored
+
+    fetched = download_output(stored, tmp_path / "fetched", client)
+    fetched_dir = tmp_path / "fetched"
+    assert fetched == output.model_copy(update={"out_dir": fetched_dir, "model_dir": fetched_dir / "model"})
+    assert fetched.is_intact()
+    assert (tmp_path / "fetched/model/model.safetensors").read_bytes() == b"weights-0"
+    assert (tmp_path / "fetched/history.jsonl").read_text() == (tmp_path / "trained/history.jsonl").read_text()
+    assert not (tmp_path / "fetched" / MANIFEST).exists() and not (tmp_path / "fetched/checkpoints").exists()
+
+
+def test_an_upload_without_metrics_is_not_an_output(store: tuple[BaseClient, str], tmp_path: Path) -> None:
+    client, uri = store
+    stored = upload_output(make_output(tmp_path / "trained"), uri, client)
+    bucket_prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
+    client.delete_object(Bucket=TRANSFER_BUCKET, Key=bucket_prefix + COMPLETE_MARKER)  # as if cut off before it
+
+    with pytest.raises(IncompleteOutputError, match="no metrics.json"):
+        read_stored(uri, client)
+    with pytest.raises(IncompleteOutputError):
+        download_output(stored, tmp_path / "fetched", client)
+    assert not (tmp_path / "fetched").exists()
+    # ensure_uploaded does not trust the incomplete upload: it uploads again, metrics last.
+    put_keys = record_put_keys(client)
+    ensure_uploaded(make_output(tmp_path / "again"), uri, client)
+    assert put_keys[-1] == bucket_prefix + COMPLETE_MARKER
+
+
+def test_reupload_replaces_and_same_content_is_not_uploaded_twice(
+    store: tuple[BaseClient, str], tmp_path: Path
+) -> None:
+    client, uri = store
+    first = make_output(tmp_path / "first")
+    (first.out_dir / "model" / "stale.bin").write_bytes(b"only in the first output")
+    first = first.model_copy(update={"sha256": output_sha256(first.out_dir, first.model_dir)})
+    upload_output(first, uri, client)
+    second = make_output(tmp_path / "second", weights=b"weights-1")
+
+    stored = ensure_uploaded(second, uri, client)  # different content: replaces the first
+    put_keys = record_put_keys(client)
+    assert ensure_uploaded(second, uri, client) == stored  # same content: nothing uploaded
+    assert put_keys == []
+
+    fetched = download_output(stored, tmp_path / "fetched", client)
+    assert fetched.sha256 == second.sha256
+    assert not (tmp_path / "fetched/model/stale.bin").exists()
+
+
+def test_corrupt_download_is_refused_and_leaves_the_old_directory(
+    store: tuple[BaseClient, str], tmp_path: Path
+) -> None:
+    client, uri = store
+    stored = upload_output(make_output(tmp_path / "trained"), uri, client)
+    earlier = make_output(tmp_path / "fetched", weights=b"an earlier download")
+    bucket_prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
+    client.put_object(Bucket=TRANSFER_BUCKET, Key=bucket_prefix + "model/model.safetensors", Body=b"bit rot")
+
+    with pytest.raises(CorruptOutputError, match=stored.sha256):
+        download_output(stored, tmp_path / "fetched", client)
+    assert earlier.is_intact()  # the directory it would have replaced is untouched
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fetched", "trained"]  # no temporary left
+
+
+def test_remote_stages_need_an_s3_store_and_a_tracking_server() -> None:
+    with pytest.raises(ValidationError, match=r"remote\.store"):
+        PipelineSettings(remote={"stages": ["sft"]})
+    with pytest.raises(ValidationError, match=r"remote\.store"):
+        RemoteStages(stages=["ppo"], store="/mnt/shared/outputs")
+    with pytest.raises(ValidationError):
+        RemoteStages(stages=["evaluate"], store="s3://bucket/x")  # only training stages go remote
+    remote = RemoteStages(stages=["sft"], store="s3://bucket/runs")
+    with pytest.raises(ValueError, match="tracking server"):
+        remote.check_tracking("sqlite:///mlflow.db")
+    remote.check_tracking("http://mlflow:5000")
+    RemoteStages().check_tracking("sqlite:///mlflow.db")  # nothing remote: any store will do
+    assert PipelineSettings().remote.stages == []
+
+
+# ------------------------------------------------------------------------------------------------
+# the pipeline on rlhf-cpu, SFT on rlhf-gpu
+
+
+@dataclass
+class Scenario:
+    pipeline_run: FlowRun
+    stage_runs: list[FlowRun]
+    stage_parent_flow_run_ids: list[UUID]  # the flow run of each stage run's parent task run
+    task_states: dict[str, str]  # task name -> state name, in the pipeline's flow run
+    cpu_dir: Path
+    gpu_dir: Path
+    s3: BaseClient
+    tracking_uri: str
+
+
+def create_process_pool(name: str) -> None:
+    """A process work pool created through the API, as `prefect work-pool create NAME --type process` does."""
+    template = ProcessWorker.get_default_base_job_template()
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+        except ObjectAlreadyExists:
+            pass
+
+
+def start_worker(pool: str, work_dir: Path, env: dict[str, str]) -> _Server:
+    """`prefect worker start --pool POOL --type process` with `work_dir` as its working directory."""
+    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
+    return start_server(f"{pool} worker", command, env, work_dir / "worker.log")
+
+
+def wait_for_workers(pools: dict[str, _Server], timeout_s: float) -> None:
+    """Poll until each pool has a worker that sent a heartbeat (its pool then reads READY)."""
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        for pool, worker in pools.items():
+            while client.read_work_pool(pool).status is None or client.read_work_pool(pool).status.value != "READY":
+                if worker.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"no worker for {pool}; log:\n{log_tail(worker.log_path)}")
+                time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def scenario(
+    tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlflow_server: str, s3_server: S3Server
+) -> Iterator[Scenario]:
+    s3_server.create_bucket(HANDOVER_BUCKET)
+    data = write_topic_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl", 160)
+    cpu_dir, gpu_dir = tmp_path_factory.mktemp("cpu-worker"), tmp_path_factory.mktemp("gpu-worker")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env |= {
+        "PREFECT_API_URL": prefect_server,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # pick up new flow runs within a second
+        "PREFECT_WORKER_HEARTBEAT_SECONDS": "2",
+        "MLFLOW_TRACKING_URI": mlflow_server,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": s3_server.region,
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        "OMP_NUM_THREADS": "1",
+    }
+    (stage_spec,) = [spec for spec in DEPLOYMENTS if spec.work_pool == GPU_POOL]
+    workers: list[_Server] = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+            create_process_pool(CPU_POOL)
+            create_process_pool(GPU_POOL)
+            # Each flow run works in its worker's directory (the process pool's `working_dir`).
+            stage_deployment_id = stage_spec.flow.to_deployment(
+                name=stage_spec.name,
+                work_pool_name=GPU_POOL,
+                job_variables={"working_dir": str(gpu_dir)},
+                entrypoint_type=EntrypointType.MODULE_PATH,
+            ).apply()
+            rlhf_pipeline.to_deployment(
+                name=PIPELINE_DEPLOYMENT_NAME,
+                work_pool_name=CPU_POOL,
+                job_variables={"working_dir": str(cpu_dir)},
+                entrypoint_type=EntrypointType.MODULE_PATH,
+            ).apply()
+            workers += [start_worker(CPU_POOL, cpu_dir, env), start_worker(GPU_POOL, gpu_dir, env)]
+            wait_for_workers(dict(zip((CPU_POOL, GPU_POOL), workers)), WORKER_START_TIMEOUT_S)
+
+            settings = {
+                "config": [str(REPO / "configs" / "tiny.yaml")],
+                "data": str(data),
+                "params_file": str(REPO / "params.yaml"),
+                "stages": ["reward"],  # with prepare-data and SFT before it
+                "remote": {"stages": ["sft"], "store": f"s3://{HANDOVER_BUCKET}/runs"},
+            }
+            pipeline_run = run_deployment(
+                f"{rlhf_pipeline.name}/{PIPELINE_DEPLOYMENT_NAME}",
+                parameters={"settings": settings},
+                timeout=FLOW_RUN_TIMEOUT_S,
+            )
+            with get_client(sync_client=True) as client:
+                stage_runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[stage_deployment_id]))
+                )
+                task_runs = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[pipeline_run.id]))
+                )
+                parents = [client.read_task_run(run.parent_task_run_id).flow_run_id for run in stage_runs]
+        yield Scenario(
+            pipeline_run=pipeline_run,
+            stage_runs=stage_runs,
+            stage_parent_flow_run_ids=parents,
+            task_states={run.name.rsplit("-", 1)[0]: run.state.name for run in task_runs},
+            cpu_dir=cpu_dir,
+            gpu_dir=gpu_dir,
+            s3=s3_server.client(),
+            tracking_uri=mlflow_server,
+        )
+    finally:
+        for worker in workers:
+            stop_server(worker)  # the worker's process group: its flow-run subprocesses too
+
+
+def parent_run(scenario: Scenario):
+    client = MlflowClient(scenario.tracking_uri)
+    experiment = client.get_experiment_by_name("rlhf-pipeline")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{FLOW_RUN_ID_TAG}` = '{scenario.pipeline_run.id}' and tags.`{ROLE_TAG}` = 'pipeline'",
+    )
+    return parent
+
+
+def worker_logs(scenario: Scenario) -> str:
+    return "\n".join(log_tail(directory / "worker.log") for directory in (scenario.cpu_dir, scenario.gpu_dir))
+
+
+@pytest.mark.slow
+def test_pipeline_on_the_cpu_pool_runs_sft_on_the_gpu_pool(scenario: Scenario) -> None:
+    pipeline = scenario.pipeline_run
+    assert pipeline.state.is_completed(), f"{pipeline.state.message}\n{worker_logs(scenario)}"
+    assert pipeline.work_pool_name == CPU_POOL
+    (stage,) = scenario.stage_runs
+    assert stage.state.is_completed() and stage.work_pool_name == GPU_POOL
+    assert stage.parameters["request"]["stage"] == "sft"
+    assert scenario.stage_parent_flow_run_ids == [pipeline.id]  # a subflow of the pipeline's flow run
+    states = scenario.task_states
+    assert [states.get(name) for name in ("prepare-data", "sft-remote", "reward")] == ["Completed"] * 3
+    assert "sft" not in states  # no local SFT task in the pipeline's flow run
+
+
+@pytest.mark.slow
+def test_sft_output_is_handed_over_by_uri_only(scenario: Scenario) -> None:
+    tags = parent_run(scenario).data.tags
+    run_dir = Path(tags["stage.sft.out_dir"]).parent
+    uri = f"s3://{HANDOVER_BUCKET}/runs/{run_dir.name}/sft/"
+    assert tags["stage.sft.uri"] == uri
+    assert run_dir.parent == scenario.cpu_dir / "runs"  # the pipeline's run directory, on the CPU pool
+
+    # In the store: the complete SFT output and the prepared data the pipeline uploaded for it.
+    keys = set(list_keys(scenario.s3, HANDOVER_BUCKET, f"runs/{run_dir.name}/"))
+    sft_keys = {key.removeprefix(f"runs/{run_dir.name}/sft/") for key in keys if "/sft/" in key}
+    assert {COMPLETE_MARKER, MANIFEST, "model/model.safetensors", "history.jsonl"} <= sft_keys
+    assert not any(key.startswith("checkpoints/") for key in sft_keys)
+    assert f"runs/{run_dir.name}/data/{COMPLETE_MARKER}" in keys
+    stored = read_stored(uri, scenario.s3)
+
+    # SFT trained in the GPU worker's directory (with its checkpoints) on the data it downloaded ...
+    (trained,) = [path.parent for path in (scenario.gpu_dir / "runs").glob(f"*/sft/{COMPLETE_MARKER}")]
+    assert (trained / "checkpoints").is_dir()
+    assert (trained.parent / "data" / COMPLETE_MARKER).is_file()
+    assert output_sha256(trained, trained / "model") == stored.sha256
+    # ... and reached the pipeline's run directory only by download: no checkpoints came along.
+    local = run_dir / "sft"
+    assert output_sha256(local, local / "model") == stored.sha256 == tags["stage.sft.sha256"]
+    assert not (local / "checkpoints").exists()
+    assert not list((scenario.gpu_dir / "runs").glob("*/reward"))  # the reward model trained on the CPU pool
+
+
+@pytest.mark.slow
+def test_stage_run_is_tracked_under_the_pipeline_and_reward_used_the_download(scenario: Scenario) -> None:
+    parent = parent_run(scenario)
+    client = MlflowClient(scenario.tracking_uri)
+    sft_run = client.get_run(parent.data.tags["stage.sft.run_id"])
+    assert sft_run.data.tags[STAGE_TAG] == "sft" and sft_run.data.tags[PARENT_RUN_TAG] == parent.info.run_id
+    assert sft_run.data.tags[OUTPUT_URI_TAG] == parent.data.tags["stage.sft.uri"]
+    assert sft_run.data.tags[REMOTE_FLOW_RUN_TAG] == str(scenario.stage_runs[0].id)
+    assert sft_run.info.status == "FINISHED"
+
+    # The reward model trained in the pipeline's own flow run, from the downloaded SFT directory.
+    run_dir = Path(parent.data.tags["stage.sft.out_dir"]).parent
+    assert Path(parent.data.tags["stage.reward.out_dir"]) == run_dir / "reward"
+    assert (run_dir / "reward" / COMPLETE_MARKER).is_file()
+    reward_run = client.get_run(parent.data.tags["stage.reward.run_id"])
+    assert reward_run.data.tags[PARENT_RUN_TAG] == parent.info.run_id and OUTPUT_URI_TAG not in reward_run.data.tags
+
+
+@pytest.mark.slow
+def test_failed_remote_stage_fails_the_task_with_its_error(
+    scenario: Scenario, prefect_api: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prepared data whose stored copy is damaged after the upload: the stage flow run refuses it, and the
+    pipeline's task fails with that error."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": s3_server.region,
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+    }.items():
+        monkeypatch.setenv(name, value)
+    data_dir = tmp_path / "run" / "data"
+    data_dir.mkdir(parents=True)
+    (data_dir / "sft.parquet").write_bytes(b"rows")
+    (data_dir / COMPLETE_MARKER).write_text("{}")
+    data = StageOutput(stage="prepare-data", out_dir=data_dir, sha256=output_sha256(data_dir, None))
+    remote = RemoteStages(stages=["sft"], store=f"s3://{HANDOVER_BUCKET}/failing")
+    client = s3_client()
+    ensure_uploaded(data, join_uri(remote.store, "run", "data"), client)
+    client.put_object(Bucket=HANDOVER_BUCKET, Key="failing/run/data/sft.parquet", Body=b"damaged")
+    context = StageContext(
+        run_dir=tmp_path / "run",
+        cache_dir=tmp_path / ".cache",
+        tracking=TrackingTarget(tracking_uri=scenario.tracking_uri, experiment_id="0", parent_run_id="unused"),
+    )
+    config = load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+
+    with pytest.raises(RemoteStageError, match=r"ended Failed: .*CorruptOutputError"):
+        remote_stage_task("sft", config, context, remote, data=data)  # a task run outside any flow
+    assert not (tmp_path / "run" / "sft").exists()
