@@ -22,6 +22,7 @@ from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
 from flows.promote import PromoteSettings, rlhf_promote
 from tasks import dvc_data
 from tasks.promotion import PromotionResult
+from tasks.remote import RemoteStages
 
 PULL_RETRIES = 2
 PULL_RETRY_DELAY_SECONDS = 30
@@ -37,6 +38,10 @@ class RetrainSettings(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
     params_file: str = Field("params.yaml", description="The base parameter file.")
     runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+    remote: RemoteStages = Field(
+        default_factory=RemoteStages,
+        description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",
+    )
 
 
 DEFAULT_SETTINGS = RetrainSettings()
@@ -61,6 +66,18 @@ def pull_data_task(target: str) -> str:
     return str(path)
 
 
+def pipeline_settings(settings: RetrainSettings, data: str) -> PipelineSettings:
+    """The pipeline run a retraining asks for: every stage, on the pulled `data`."""
+    return PipelineSettings(
+        config=settings.config,
+        overrides=settings.overrides,
+        data=data,
+        params_file=settings.params_file,
+        runs_dir=settings.runs_dir,
+        remote=settings.remote,
+    )
+
+
 @flow(
     name="rlhf-retrain",
     description="Pull the newest DVC data version, rerun the pipeline, register a challenger, promote it if it passes.",
@@ -68,14 +85,7 @@ def pull_data_task(target: str) -> str:
 def rlhf_retrain(settings: RetrainSettings = DEFAULT_SETTINGS) -> RetrainResult:
     """Pull the data, run every stage of `rlhf-pipeline` on it, then `rlhf-promote` (both as subflows)."""
     data = pull_data_task(settings.data)
-    pipeline_settings = PipelineSettings(
-        config=settings.config,
-        overrides=settings.overrides,
-        data=data,
-        params_file=settings.params_file,
-        runs_dir=settings.runs_dir,
-    )
-    pipeline = rlhf_pipeline(pipeline_settings)
+    pipeline = rlhf_pipeline(pipeline_settings(settings, data))
     promotion = rlhf_promote(
         PromoteSettings(
             config=settings.config,

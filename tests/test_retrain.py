@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flows.retrain import RetrainResult, RetrainSettings, rlhf_retrain
+from flows.pipeline import PipelineSettings
+from flows.retrain import RetrainResult, RetrainSettings, pipeline_settings, rlhf_retrain
 from tasks.dvc_data import data_version, dvc_add, dvc_push, run_dvc
 from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG
 from tasks.registry import CHALLENGER_ALIAS, EVALUATION_STATUS_TAG
+from tasks.remote import RemoteStages
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +118,14 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
         assert promotion.decision == "rejected" and CHAMPION_ALIAS not in aliases
         assert DECISION_TAG not in client.get_model_version(POLICY, policy.version).tags
     assert result.summary().endswith(f"promotion: {promotion.decision}: {promotion.message}")
+
+
+def test_retrain_hands_its_settings_and_remote_stages_to_the_pipeline() -> None:
+    remote = RemoteStages(stages=["sft", "ppo"], store="s3://rlhf-data/handover")
+    settings = RetrainSettings(config=["configs/tiny.yaml"], overrides=["seed=7"], runs_dir="nightly", remote=remote)
+
+    pipeline = pipeline_settings(settings, "/data/raw")
+
+    assert pipeline.remote == remote and pipeline.data == "/data/raw"
+    assert (pipeline.config, pipeline.overrides, pipeline.runs_dir) == (["configs/tiny.yaml"], ["seed=7"], "nightly")
+    assert pipeline.stages == PipelineSettings().stages  # every stage
