@@ -16,8 +16,6 @@ from rlhf_cli.launching import run_training_stage
 from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, RmDirOption, SetOption, SftDirOption, resolve_config
 
 
-
-
 def ppo(
     data_dir: DataDirOption = Path("artifacts/data"),
     sft_dir: SftDirOption = Path("artifacts/sft"),
