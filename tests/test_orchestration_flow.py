@@ -162,8 +162,11 @@ def test_training_slot_admits_one_training_stage_at_a_time(prefect_api: str) -> 
         # A second training stage waits for the slot; here, for one second at most.
         with pytest.raises(TimeoutError), concurrency(name, occupy=1, timeout_seconds=1, strict=True):
             pass
-    with concurrency(name, occupy=1, timeout_seconds=30, strict=True):
-        pass  # released: the next one gets it
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(name).active_slots == 0  # released
+    with concurrency(name, occupy=1, timeout_seconds=30, strict=True):  # so the next stage gets it
+        with get_client(sync_client=True) as client:
+            assert client.read_global_concurrency_limit_by_name(name).active_slots == 1
 
 
 def test_existing_training_limit_is_left_as_the_operator_set_it(prefect_api: str) -> None:

@@ -180,5 +180,8 @@ class Critic(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Values [B, T] (values at padded positions are meaningless; mask them)."""
-        hidden = final_hidden_states(self.backbone, input_ids, attention_mask)
+        return self.values_from_hidden(final_hidden_states(self.backbone, input_ids, attention_mask))
+
+    def values_from_hidden(self, hidden: Tensor) -> Tensor:
+        """Values [B, T]: the value head on the final hidden states [B, T, H] at every position."""
         return self.value_head(hidden).squeeze(-1)

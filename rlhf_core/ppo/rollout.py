@@ -240,5 +240,5 @@ def response_values(
     joined = joined_sequence(prompt_ids, prompt_mask, response_ids, response_mask)
     width, length = joined.prompt_width, joined.response_length
     hidden = joined_hidden_states(critic.backbone, joined, trunk)
-    values = at_least_float32(critic.value_head(hidden).squeeze(-1)[:, width - 1 : width + length - 1])
+    values = at_least_float32(critic.values_from_hidden(hidden)[:, width - 1 : width + length - 1])
     return _pad_to(torch.where(response_mask[:, :length].bool(), values, 0.0), response_ids.shape[1])

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from rlhf_core.models.blocks import lower_residual
+from rlhf_core.ppo.rollout import chunks
 from rlhf_core.ppo.sequences import TrunkStates, joined_sequence
 
 MEMBERS = ("reference", "critic", "reward_model")
@@ -97,8 +98,7 @@ class SharedTrunk:
         response_ids, response_mask = response
         rows_total, width = prompt_ids.shape[0], prompt_ids.shape[1] + response_ids.shape[1]
         residual: Tensor | None = None
-        for start in range(0, rows_total, micro_batch_size):
-            rows = slice(start, min(start + micro_batch_size, rows_total))
+        for rows in chunks(rows_total, micro_batch_size):
             joined = joined_sequence(prompt_ids[rows], prompt_mask[rows], response_ids[rows], response_mask[rows])
             part = lower_residual(self.backbone, joined.input_ids, joined.attention_mask, self.num_lower)
             if residual is None:
