@@ -47,7 +47,13 @@ class DataConfig(Section):
     split_salt: str = Field("rlhf-v1", min_length=1, description="Salt of the prompt-hash split.")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out evaluation prompts.")
     rm_val_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Reward-model validation prompts.")
-    ppo_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="PPO training prompts.")
+    ppo_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="PPO prompts (training and validation).")
+    ppo_val_fraction: float = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="The slice of the PPO prompts' hash range PPO validates on and never trains on (< ppo_fraction).",
+    )
     max_eval_pairs: int | None = Field(None, gt=0)
     max_rm_train_pairs: int | None = Field(None, gt=0)
     max_rm_val_pairs: int | None = Field(None, gt=0)
@@ -61,6 +67,11 @@ class DataConfig(Section):
             raise ValueError(
                 f"eval_fraction + rm_val_fraction + ppo_fraction = {total:g} must be < 1 "
                 "(the rest are the reward-model training prompts)"
+            )
+        if self.ppo_val_fraction >= self.ppo_fraction:
+            raise ValueError(
+                f"ppo_val_fraction {self.ppo_val_fraction:g} must be < ppo_fraction {self.ppo_fraction:g}: "
+                "the validation prompts are a slice of the PPO prompts"
             )
         return self
 
@@ -331,15 +342,17 @@ class EvaluationConfig(Section):
     """Held-out comparison of two models (paper section 6)."""
 
     judge: Literal["rm", "llm", "human"] = "rm"
-    max_prompts: int = Field(100, ge=1)
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate on the eval split's first prompts by id; null: every eval prompt."
+    )
     generation: GenerationConfig = GenerationConfig(
         max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1
     )
     tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
     judge_rm: Literal["in_sample", "independent"] = Field(
-        "in_sample",
-        description="RM judge: in_sample judges with the reward model PPO optimised against (the report "
-        "flags it); independent trains a second reward model on the PPO-prompt split to judge with.",
+        "independent",
+        description="RM judge: independent trains a second reward model on the PPO-prompt split to judge "
+        "with; in_sample judges with the reward model PPO optimised against (biased; the report flags it).",
     )
     llm_model: str = "gpt-4o"
     llm_concurrency: int = Field(4, ge=1)

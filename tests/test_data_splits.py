@@ -162,6 +162,28 @@ def test_ppo_prompts_are_distinct_and_disjoint_from_eval_rm_val_and_rm_train() -
     assert all(assign_split(prompt_id, CONFIG) is Split.PPO for prompt_id in ppo)
 
 
+def test_ppo_validation_prompts_are_the_first_hash_slice_of_the_ppo_bucket_and_never_trained_on() -> None:
+    config = SplitConfig(eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.3, ppo_val_fraction=0.1, salt="test-salt")
+    pairs = make_pairs(range(400))
+    splits = split_pairs(pairs, config)
+    validation = [prompt.prompt_id for prompt in splits.ppo_val_prompts]
+    training = {prompt.prompt_id for prompt in splits.ppo_prompts}
+    assert len(validation) == len(set(validation)) > 20
+    assert not set(validation) & training
+    assert not set(validation) & (prompt_ids(splits.eval) | prompt_ids(splits.rm_val) | prompt_ids(splits.rm_train))
+    for prompt_id in validation:  # reference: the bucket lies in [eval + rm_val, eval + rm_val + ppo_val)
+        bucket = int(hashlib.sha256(f"test-salt\n{prompt_id}".encode()).hexdigest()[:16], 16) / 2**64
+        assert 0.2 <= bucket < 0.3
+    assert prompt_ids(splits.ppo_pairs) == set(validation) | training  # the judge RM sees the whole bucket
+    grown = split_pairs(make_pairs(range(600)), config)  # more data moves no validation prompt
+    assert set(validation) <= {prompt.prompt_id for prompt in grown.ppo_val_prompts}
+
+
+def test_a_ppo_validation_slice_as_large_as_the_ppo_bucket_is_rejected() -> None:
+    with pytest.raises(ValueError, match="ppo_val_fraction"):
+        SplitConfig(eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.2, ppo_val_fraction=0.2, salt="s")
+
+
 def test_a_different_salt_gives_a_different_split() -> None:
     pairs = make_pairs(range(200), pairs_per_prompt=1)
     other = SplitConfig(eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.3, salt="other-salt")

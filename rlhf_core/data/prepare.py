@@ -7,7 +7,7 @@ never touches the previous good one. Output files:
     rm_train.parquet, rm_val.parquet, eval.parquet,  pairs: pair_id, prompt_id, prompt, chosen,
     ppo_pairs.parquet                                rejected, source, line
     sft.parquet                                      prompt_id, prompt, response
-    ppo_prompts.parquet                              prompt_id, prompt
+    ppo_prompts.parquet, ppo_val_prompts.parquet     prompt_id, prompt
     data_report.json                                 DataReport (written last; marks the output complete)
 
 `prompt` is a list of {role, content} structs, ready for a tokenizer's chat template.
@@ -46,7 +46,8 @@ from rlhf_core.data.validation import (
 REPORT_FILE = "data_report.json"
 METRICS_FILE = "metrics.json"
 PairSplitName = Literal["rm_train", "rm_val", "eval", "ppo_pairs"]
-SplitName = Literal["rm_train", "rm_val", "eval", "sft", "ppo_prompts", "ppo_pairs"]
+PromptSplitName = Literal["ppo_prompts", "ppo_val_prompts"]
+SplitName = Literal["rm_train", "rm_val", "eval", "sft", "ppo_prompts", "ppo_val_prompts", "ppo_pairs"]
 
 PAIR_SCHEMA = pa.schema(
     [
@@ -69,6 +70,7 @@ def split_config(settings: DataConfig) -> SplitConfig:
         eval_fraction=settings.eval_fraction,
         rm_val_fraction=settings.rm_val_fraction,
         ppo_fraction=settings.ppo_fraction,
+        ppo_val_fraction=settings.ppo_val_fraction,
         salt=settings.split_salt,
         max_eval_pairs=settings.max_eval_pairs,
         max_rm_val_pairs=settings.max_rm_val_pairs,
@@ -186,12 +188,12 @@ def load_split(out_dir: Path, name: PairSplitName) -> list[PreferencePair]: ...
 @overload
 def load_split(out_dir: Path, name: Literal["sft"]) -> list[SftExample]: ...
 @overload
-def load_split(out_dir: Path, name: Literal["ppo_prompts"]) -> list[PpoPrompt]: ...
+def load_split(out_dir: Path, name: PromptSplitName) -> list[PpoPrompt]: ...
 def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[SftExample] | list[PpoPrompt]:
     """Read one prepared split back as records; refuses a directory without data_report.json.
 
-    ppo_pairs.parquet is missing from data prepared by an older version of this project: the rows of
-    every split are the same, so preparing the same data again adds it and moves nothing.
+    ppo_pairs.parquet and ppo_val_prompts.parquet are missing from data prepared by older versions of this
+    project; preparing the same data again adds them (the PPO validation slice leaves the PPO prompts).
     """
     out_dir = Path(out_dir)
     if not (out_dir / REPORT_FILE).is_file():
@@ -209,7 +211,7 @@ def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[Sf
             SftExample(prompt_id=row["prompt_id"], prompt=_prompt_from_row(row), response=row["response"])
             for row in rows
         ]
-    if name == "ppo_prompts":
+    if name in ("ppo_prompts", "ppo_val_prompts"):
         return [PpoPrompt(prompt_id=row["prompt_id"], prompt=_prompt_from_row(row)) for row in rows]
     return [
         PreferencePair(
@@ -302,6 +304,7 @@ def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -
             "eval": len(splits.eval),
             "sft": len(splits.sft),
             "ppo_prompts": len(splits.ppo_prompts),
+            "ppo_val_prompts": len(splits.ppo_val_prompts),
             "ppo_pairs": len(splits.ppo_pairs),
         },
         held_back_by_caps=splits.held_back_by_caps,
@@ -347,8 +350,6 @@ def _write_splits(directory: Path, splits: Splits) -> None:
         for example in splits.sft
     ]
     write_parquet(directory / "sft.parquet", sft_rows, SFT_SCHEMA)
-    ppo_rows = [
-        {"prompt_id": prompt.prompt_id, "prompt": [dict(message) for message in prompt.prompt]}
-        for prompt in splits.ppo_prompts
-    ]
-    write_parquet(directory / "ppo_prompts.parquet", ppo_rows, PPO_SCHEMA)
+    for name, prompts in (("ppo_prompts", splits.ppo_prompts), ("ppo_val_prompts", splits.ppo_val_prompts)):
+        rows = [{"prompt_id": prompt.prompt_id, "prompt": [dict(message) for message in prompt.prompt]} for prompt in prompts]
+        write_parquet(directory / f"{name}.parquet", rows, PPO_SCHEMA)

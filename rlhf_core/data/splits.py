@@ -5,7 +5,8 @@ The hash of (salt, prompt_id) is read as a number in [0, 1) and cut into consecu
     [0, eval)              eval      held-out prompts and pairs for final evaluation
     [.., + rm_val)         rm_val    reward-model validation pairs
     [.., + ppo)            ppo       prompts the policy answers during PPO (their pairs train the
-                                     independent judge reward model)
+                                     independent judge reward model); the first `ppo_val` of this
+                                     range holds the prompts PPO validates on and never trains on
     [.., 1)                rm_train  reward-model training pairs (and SFT examples)
 
 Because the split depends only on the prompt and the salt, every pair of one prompt lands in the same
@@ -46,6 +47,7 @@ class SplitConfig:
     rm_val_fraction: float
     ppo_fraction: float
     salt: str
+    ppo_val_fraction: float = 0.0
     max_eval_pairs: int | None = None
     max_rm_val_pairs: int | None = None
     max_rm_train_pairs: int | None = None
@@ -61,6 +63,11 @@ class SplitConfig:
         for name, value in fractions.items():
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if not 0.0 <= self.ppo_val_fraction < self.ppo_fraction:
+            raise ValueError(
+                f"ppo_val_fraction must be in [0, ppo_fraction={self.ppo_fraction:g}): it is a slice of the PPO "
+                f"prompts, got {self.ppo_val_fraction}"
+            )
         total = sum(fractions.values())
         if total >= 1.0:
             raise ValueError(
@@ -88,6 +95,7 @@ class Splits:
     eval: list[PreferencePair]
     sft: list[SftExample]
     ppo_prompts: list[PpoPrompt]
+    ppo_val_prompts: list[PpoPrompt]
     ppo_pairs: list[PreferencePair]
     held_back_by_caps: dict[str, int]
 
@@ -122,7 +130,9 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
 
     SFT examples are the chosen replies of the (capped) rm_train pairs, one per distinct prompt+reply,
     so supervised fine-tuning never sees an eval, rm_val or PPO prompt. PPO prompts are the distinct
-    prompts of the ppo bucket. The ppo bucket's pairs (all of them: `max_ppo_prompts` caps the prompts
+    prompts of the ppo bucket, less the validation slice (`ppo_val_prompts`: the prompts whose hash lies
+    in the first `ppo_val_fraction` of the bucket), which PPO chooses its output policy on and never
+    trains on; the final evaluation's `eval` prompts so stay unseen by every choice. The ppo bucket's pairs (all of them: `max_ppo_prompts` caps the prompts
     PPO answers, not this list) train only the independent judge reward model, which is so disjoint
     from the policy reward model's rm_train pairs, from rm_val and from eval.
     """
@@ -144,7 +154,13 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
         lambda example: (buckets[example.prompt_id], _sha256_json([example.prompt_id, example.response])),
         config.max_sft_examples,
     )
-    ppo_candidates = _distinct_prompts(by_split[Split.PPO])
+    validation_end = config.eval_fraction + config.rm_val_fraction + config.ppo_val_fraction
+    ppo_val_prompts = [
+        prompt for prompt in _distinct_prompts(by_split[Split.PPO]) if buckets[prompt.prompt_id] < validation_end
+    ]
+    ppo_candidates = [
+        prompt for prompt in _distinct_prompts(by_split[Split.PPO]) if buckets[prompt.prompt_id] >= validation_end
+    ]
     ppo_prompts = _keep_lowest(
         ppo_candidates, lambda prompt: (buckets[prompt.prompt_id], prompt.prompt_id), config.max_ppo_prompts
     )
@@ -157,7 +173,7 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
     }
     return Splits(
         rm_train=rm_train, rm_val=rm_val, eval=eval_pairs, sft=sft, ppo_prompts=ppo_prompts,
-        ppo_pairs=by_split[Split.PPO], held_back_by_caps=held_back,
+        ppo_val_prompts=ppo_val_prompts, ppo_pairs=by_split[Split.PPO], held_back_by_caps=held_back,
     )
 
 

@@ -42,9 +42,9 @@ def category_of(source: str) -> str:
     return source
 
 
-def evaluation_prompts(data_dir: str | Path, max_prompts: int) -> list[EvalPrompt]:
-    """The `max_prompts` distinct prompts with the smallest ids in the `eval` split of prepared data."""
-    if max_prompts < 1:
+def evaluation_prompts(data_dir: str | Path, max_prompts: int | None) -> list[EvalPrompt]:
+    """The `max_prompts` distinct prompts with the smallest ids in the `eval` split (None: all of them)."""
+    if max_prompts is not None and max_prompts < 1:
         raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
     prompts: dict[str, EvalPrompt] = {}
     for pair in load_split(Path(data_dir), "eval"):
