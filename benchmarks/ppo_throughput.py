@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     models, tokenizer = build_models(config, device)
     data = PPOData(
         prompts=[prompt.messages for prompt in prompts],
-        eval_prompts=[prompts[0].messages],  # required by the trainer; validation is not benchmarked
+        val_prompts=[prompts[0].messages],  # required by the trainer; validation is not benchmarked
         ptx_examples=[(prompt.messages, prompt.reply) for prompt in prompts],
     )
     trainer = PPOTrainer(models, tokenizer, data, ppo, config.seed, config.distributed.bf16)

@@ -201,22 +201,23 @@ class RewardConfig(TrainingConfig):
 
 
 # Each preset fills the PPO switches the user did not set (paper Figure 5 and section 5.4).
+# docs/stages-ppo.md ("Departures") gives the source of each ppo_max value and where it departs.
 PPO_PRESETS: dict[str, dict[str, Any]] = {
     "ppo_max": {
         "kl_coef": 0.01,
         "reward_normalization": True,
-        "reward_clip": 10.0,
+        "reward_clip": 5.0,
         "reward_scaling": False,
-        "advantage_normalization": True,
+        "advantage_normalization": False,
         "advantage_clip": None,
         "clip_eps": 0.2,
         "value_clip": 0.2,
         "critic_init": "reward",
-        "critic_pretrain_steps": 10,
+        "critic_pretrain_steps": 30,
         "gamma": 1.0,
         "lam": 0.95,
         "max_grad_norm": 1.0,
-        "ptx_coef": 0.5,
+        "ptx_coef": 0.0,
         "entropy_coef": 0.0,
         "behaviour_logprobs": "rollout",
     },
@@ -273,16 +274,24 @@ class PPOConfig(Section):
     reward_normalization: bool = Field(description="Normalise scores by running mean/std (5.3.1).")
     reward_clip: float | None = Field(gt=0, description="Clip normalised scores to +-delta.")
     reward_scaling: bool = Field(description="Divide scores by their running std only (alternative).")
-    advantage_normalization: bool = Field(description="Whiten advantages over the minibatch.")
+    advantage_normalization: bool = Field(description="Whiten advantages over the rollout batch.")
     advantage_clip: float | None = Field(gt=0, description="Clip advantages to +-bound.")
     clip_eps: float = Field(gt=0, lt=1, description="Clipped-surrogate epsilon.")
     value_clip: float | None = Field(gt=0, description="Value-loss clipping range; null is off.")
     critic_init: Literal["reward", "sft"] = Field(description="Critic from the RM, or SFT + new head.")
-    critic_pretrain_steps: int = Field(ge=0, description="Critic-only steps before the policy moves.")
+    critic_pretrain_steps: int = Field(
+        ge=0, description="At most this many critic-only iterations before the policy moves (0: none)."
+    )
+    critic_pretrain_patience: int = Field(
+        3, ge=1, description="End critic pretraining after this many iterations without a lower value loss."
+    )
+    critic_pretrain_min_improvement: float = Field(
+        0.02, ge=0, lt=1, description="A value loss counts as lower when it beats the best by this share."
+    )
     gamma: float = Field(ge=0, le=1)
     lam: float = Field(ge=0, le=1)
     max_grad_norm: float | None = Field(gt=0, description="Global gradient clipping; null is off.")
-    ptx_coef: float = Field(ge=0, description="PPO-ptx: weight of the SFT-data LM loss.")
+    ptx_coef: float = Field(ge=0, description="PPO-ptx (Figure 12's variant): weight of the SFT-data LM loss; 0 is off.")
     entropy_coef: float = Field(ge=0)
     behaviour_logprobs: Literal["rollout", "reference"] = Field(
         description="Importance-sampling reference: the rollout policy, or the reference model (5.3.2)."
@@ -309,8 +318,10 @@ class PPOConfig(Section):
     )
     rollout: GenerationConfig = GenerationConfig()
     guard: CollapseGuardConfig = CollapseGuardConfig()
-    eval_every: int = Field(10, ge=1)
-    eval_prompts: int = Field(32, ge=1)
+    eval_every: int = Field(10, ge=1, description="Validate every this many PPO iterations (and after the last).")
+    val_prompts: int | None = Field(
+        None, ge=2, description="Validate on the first this many ppo_val_prompts; null: all of them."
+    )
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     sample_table_every: int = Field(10, ge=1)
@@ -393,7 +404,7 @@ class PromotionConfig(Section):
     judge_reward_model: str | None = Field(
         None,
         description="The judging reward model: a reward-model directory or models:/ URI; null: the "
-        "challenger's own (an in-sample judge, which the report flags).",
+        "independent judge registered with the challenger; in_sample: the challenger's own (biased, flagged).",
     )
 
 

@@ -52,13 +52,16 @@ from tasks.registry import (
     REWARD_VERSION_TAG,
     STAGE_RUN_TAG,
     RegisteredVersion,
+    judge_model_name,
+    judge_version_tags,
     register,
     tag_version,
+    training_data_tags,
 )
 from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.tracking import MlflowLogger
 
-REPORT_FILES = ("data_report.json", METRICS_FILE)
+REPORT_FILES = ("data_report.json", METRICS_FILE, "selection.json")
 PLOTS_DIR = "plots"
 SAMPLES_FILE = "samples.jsonl"
 FINAL_METRIC_PREFIX = "final."
@@ -353,11 +356,14 @@ def register_task(
     lineage: dict[str, str],
     evaluation: dict[str, str],
     context: StageContext,
+    judge_output: StageOutput | None = None,
 ) -> list[RegisteredVersion]:
-    """Register the reward model and the PPO policy (alias `challenger`) with their lineage as tags.
+    """Register the reward model, the independent judge reward model (when this run trained one) and the
+    PPO policy (alias `challenger`) with their lineage as tags.
 
-    `evaluation` (tags linking to the evaluation of this run, tasks/evaluation.py) goes on the policy
-    version even when it is an existing one: the newest evaluation of that model.
+    `evaluation` (tags linking to the evaluation of this run, tasks/evaluation.py) and the judge version
+    that evaluation was judged by go on the policy version even when it is an existing one: the newest
+    evaluation of that model.
     """
     tracking = context.tracking
     params = {"tracking": config.tracking.model_dump(mode="json")}
@@ -373,6 +379,17 @@ def register_task(
             {**tags, STAGE_RUN_TAG: str(reward_output.mlflow_run_id)},
             alias=None,
         )
+        judge_version: RegisteredVersion | None = None
+        if judge_output is not None:
+            judge_version = register(
+                client,
+                tracking.tracking_uri,
+                run_id,
+                judge_model_name(config.tracking.reward_model_name),
+                judge_output,
+                {**tags, STAGE_RUN_TAG: str(judge_output.mlflow_run_id), **training_data_tags(judge_output)},
+                alias=None,
+            )
         policy_version = register(
             client,
             tracking.tracking_uri,
@@ -382,8 +399,9 @@ def register_task(
             {**tags, STAGE_RUN_TAG: str(ppo_output.mlflow_run_id), REWARD_VERSION_TAG: reward_version.version},
             alias=CHALLENGER_ALIAS,
         )
-        tag_version(client, policy_version, evaluation)
-    registered = [reward_version, policy_version]
+        judged_by = {} if judge_version is None else judge_version_tags(judge_version)
+        tag_version(client, policy_version, {**evaluation, **judged_by})
+    registered = [version for version in (reward_version, judge_version, policy_version) if version is not None]
     create_markdown_artifact(
         markdown=registration_markdown(registered), key="register-summary", description="Registered models"
     )

@@ -24,7 +24,7 @@ from rlhf_core.data.records import PreferencePair
 from rlhf_core.data.validation import DataValidationError, TokenLengths
 
 OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet",
-                "ppo_pairs.parquet", REPORT_FILE, "metrics.json"}
+                "ppo_val_prompts.parquet", "ppo_pairs.parquet", REPORT_FILE, "metrics.json"}
 
 
 def word_lengths(pair: PreferencePair) -> TokenLengths:
@@ -160,11 +160,14 @@ def test_outputs_round_trip_and_report_matches_them(tmp_path: Path) -> None:
 
     pairs = {name: load_split(out_dir, name) for name in ("rm_train", "rm_val", "eval")}
     sft, ppo = load_split(out_dir, "sft"), load_split(out_dir, "ppo_prompts")
-    ppo_pairs = load_split(out_dir, "ppo_pairs")
-    assert report.split_counts == {**{name: len(items) for name, items in pairs.items()},
-                                   "sft": len(sft), "ppo_prompts": len(ppo), "ppo_pairs": len(ppo_pairs)}
-    assert [pair.prompt_id for pair in ppo_pairs] == [prompt.prompt_id for prompt in ppo]  # one pair per prompt
-    assert sum(len(items) for items in pairs.values()) + len(ppo) == 120  # one pair per prompt here
+    ppo_val, ppo_pairs = load_split(out_dir, "ppo_val_prompts"), load_split(out_dir, "ppo_pairs")
+    assert report.split_counts == {**{name: len(items) for name, items in pairs.items()}, "sft": len(sft),
+                                   "ppo_prompts": len(ppo), "ppo_val_prompts": len(ppo_val),
+                                   "ppo_pairs": len(ppo_pairs)}
+    # one pair per prompt: the PPO bucket's pairs are its training and validation prompts
+    assert {pair.prompt_id for pair in ppo_pairs} == {prompt.prompt_id for prompt in ppo + ppo_val}
+    assert len(ppo_pairs) == len(ppo) + len(ppo_val)
+    assert sum(len(items) for items in pairs.values()) + len(ppo_pairs) == 120
     assert all(len(items) > 0 for items in (*pairs.values(), sft, ppo))
     first = pairs["rm_train"][0]
     assert isinstance(first, PreferencePair) and first.source == "good.jsonl"

@@ -102,7 +102,9 @@ def test_experience_monitors_match_loops() -> None:
 
 def test_validation_monitors_match_loops() -> None:
     experience = fixed_experience()
+    rewards = experience.scores - 1.0
     metrics = validation_monitors(
+        rewards,
         experience.scores,
         experience.finished,
         experience.logprobs,
@@ -111,8 +113,10 @@ def test_validation_monitors_match_loops() -> None:
     )
     k3 = [math.expm1(r - p) - (r - p) for p, r in zip(flat(LOGPROBS), flat(REF_LOGPROBS))]
     expected = {
-        "val/reward": np.mean(SCORES),
+        "val/reward": np.mean(SCORES) - 1.0,
         "val/reward_std": np.std(SCORES),
+        "val/score": np.mean(SCORES),
+        "val/prompts": len(SCORES),
         "val/kl": np.mean(k3),
         "val/kl_k1": np.mean(flat(LOGPROBS) - flat(REF_LOGPROBS)),
         "val/perplexity": math.exp(-flat(LOGPROBS).mean()),

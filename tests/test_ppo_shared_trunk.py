@@ -70,13 +70,13 @@ def make_trainer(models: PPOModels, tokenizer: PreTrainedTokenizerBase, **settin
             "critic_lr": 1e-3,
             "critic_pretrain_steps": 0,
             "max_prompt_tokens": 64,
-            "eval_prompts": 2,
+            "val_prompts": 2,
             "trainable_top_layers": TOP,
             "rollout": {"max_new_tokens": 8},
             **settings,
         }
     )
-    data = PPOData(prompts=PROMPTS, eval_prompts=PROMPTS[:2], ptx_examples=SFT)
+    data = PPOData(prompts=PROMPTS, val_prompts=PROMPTS[:2], ptx_examples=SFT)
     return PPOTrainer(models, tokenizer, data, config, seed=0)
 
 

@@ -24,8 +24,10 @@ from fixtures.tiny_ppo import (  # noqa: F401
 )
 from safetensors.torch import load_file
 
+from rlhf_core.data.prepare import load_split
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.stages.evaluate import run_evaluate
 from rlhf_core.stages.ppo import load_ppo_models, run_ppo
 from rlhf_core.training.checkpoint import complete_checkpoints
 
@@ -76,6 +78,21 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
     assert {k: v for k, v in rerun.metrics.items() if k not in invocation} == {
         k: v for k, v in metrics.items() if k not in invocation
     }
+
+
+def test_validation_prompts_are_held_out_of_training_and_of_the_evaluation(inputs: StageInputs, tmp_path: Path) -> None:
+    """On the prompt ids each stage read: PPO's validation (selection.json), PPO's training prompts and
+    the evaluate stage's generations (every eval prompt)."""
+    config = tiny_config("ppo.steps=2", "evaluation.generation.max_new_tokens=4")
+    run_ppo(config, inputs.data_dir, inputs.sft_dir, inputs.rm_dir, tmp_path / "ppo")
+    selection = json.loads((tmp_path / "ppo" / "selection.json").read_text())
+    validated = set(selection["prompt_ids"])
+    assert len(validated) == len(selection["validations"][0]["rewards"]) >= 2
+    trained = {prompt.prompt_id for prompt in load_split(inputs.data_dir, "ppo_prompts")}
+    run_evaluate(config, inputs.data_dir, tmp_path / "ppo", inputs.sft_dir, tmp_path / "eval", rm_dir=inputs.rm_dir)
+    evaluated = {json.loads(line)["prompt_id"] for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()}
+    assert evaluated and trained
+    assert not validated & evaluated and not validated & trained and not trained & evaluated
 
 
 @pytest.mark.parametrize("critic_init", ["reward", "sft"])

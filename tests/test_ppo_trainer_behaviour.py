@@ -123,10 +123,10 @@ def run(
             "mini_batch_size": 8,
             "micro_batch_size": 8,
             "ppo_epochs": 2,
-            "policy_lr": 2e-3,
+            "policy_lr": 1e-3,
             "critic_lr": 1e-3,
             "max_prompt_tokens": 64,
-            "eval_prompts": len(EVAL_PROMPTS),
+            "val_prompts": len(EVAL_PROMPTS),
             "eval_every": 100,
             "checkpoint_every": 100,
             "keep_checkpoints": 100,
@@ -167,6 +167,7 @@ def test_ppo_max_raises_the_reward_beyond_seed_noise_within_the_kl_bound(
         assert max(row["kl/token_k3"] for row in history if "kl/token_k3" in row) < KL_BOUND
         validations = [row for row in history if "val/reward" in row]
         assert [row["step"] for row in validations] == [0, 10]
+        assert result.selection.step == 10  # the run hands on the trained policy, not the start
         initial.append(validations[0]["val/reward"])
         final.append(validations[-1]["val/reward"])
     gain = sum(final) / len(final) - sum(initial) / len(initial)
@@ -191,6 +192,20 @@ def policy_weights(path: Path) -> dict[str, torch.Tensor]:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"]
     tensors.pop("lm_head.weight", None)
     return tensors
+
+
+def reference_selection(result: FitResult, max_kl: float | None) -> int:
+    """The selection rule in plain Python: the latest validation within the KL bound, unless an earlier
+    one beats it by more than two paired standard errors (then the one that beats it by the most)."""
+    within = [record for record in result.validations if max_kl is None or record.kl <= max_kl]
+    latest, chosen, margin = within[-1], within[-1].step, 0.0
+    for record in within[:-1]:
+        differences = [a - b for a, b in zip(record.rewards, latest.rewards)]
+        mean = sum(differences) / len(differences)
+        se = (sum((d - mean) ** 2 for d in differences) / (len(differences) - 1) / len(differences)) ** 0.5
+        if mean > 2 * se and mean > margin:
+            chosen, margin = record.step, mean
+    return chosen
 
 
 @pytest.mark.parametrize(
@@ -225,25 +240,19 @@ def test_guard_stops_the_run_and_the_best_checkpoint_is_handed_on(
         guard=guard,
         policy_lr=3e-3,
         eval_every=1,
-        eval_prompts=8,
+        val_prompts=8,
         checkpoint_every=1,
     )
     assert result.stop is not None and result.stop.bound == bound
     assert f"collapse guard stopped the run at step {result.stop.step}: " in str(result.stop)
     assert history[-1]["step"] == result.stop.step and history[-1]["guard/stopped"] == 1.0
     assert result.final_step == result.stop.step - 1 and result.stop.step > 3  # after the policy moved
-    eligible = [
-        row
-        for row in history
-        if "val/reward" in row and (guard["max_kl"] is None or row["val/kl"] <= guard["max_kl"])
-    ]
-    best = max(eligible, key=lambda row: row["val/reward"])  # the first of equal rewards, like the trainer
-    assert result.best_step == best["step"] and result.best_reward == best["val/reward"]
+    chosen = reference_selection(result, guard["max_kl"])
+    assert result.selection.step == chosen
+    assert [record.step for record in result.validations] == [row["step"] for row in history if "val/reward" in row]
     saved = policy_weights(tmp_path / "checkpoints" / BEST_DIR / "model.safetensors")
-    if result.best_step == 0:
+    if chosen == 0:
         expected = {name: t for name, t in sft_state.items() if name != "lm_head.weight"}
     else:
-        expected = policy_weights(
-            tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "model.safetensors"
-        )
+        expected = policy_weights(tmp_path / "checkpoints" / f"step-{chosen:08d}" / "model.safetensors")
     assert saved.keys() == expected.keys() and all(torch.equal(saved[n], expected[n]) for n in saved)

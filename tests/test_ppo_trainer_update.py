@@ -17,6 +17,7 @@ from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.rollout import RewardModelScorer
+from rlhf_core.ppo import trainer as trainer_module
 from rlhf_core.ppo.trainer import PPOData, PPOModels, PPOTrainer, assemble_experience
 
 PROMPTS = [
@@ -45,7 +46,7 @@ def make_trainer(
             "critic_lr": 1e-3,
             "critic_pretrain_steps": 0,
             "max_prompt_tokens": 64,
-            "eval_prompts": 2,
+            "val_prompts": 2,
             "rollout": {"max_new_tokens": 6, "temperature": 0.7},
             **settings,
         }
@@ -59,7 +60,7 @@ def make_trainer(
         critic=Critic.from_reward_model(reward_model),
         scorer=RewardModelScorer(reward_model, micro_batch_size=2),
     )
-    data = PPOData(prompts=PROMPTS, eval_prompts=PROMPTS[:2], ptx_examples=SFT)
+    data = PPOData(prompts=PROMPTS, val_prompts=PROMPTS[:2], ptx_examples=SFT)
     return PPOTrainer(models, tokenizer, data, config, seed=0)
 
 
@@ -183,3 +184,28 @@ def test_trainable_top_layers_freezes_the_rest(tokenizer: PreTrainedTokenizerBas
     trainer.learn(rollout(trainer), step=1)
     changed = {n for n, p in trainer.trainable.named_parameters() if not torch.equal(start[n], p)}
     assert changed and all(".layers.1." in n or ".norm." in n or "value_head" in n for n in changed)
+
+
+def test_advantages_are_whitened_over_the_whole_rollout_batch(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every mini-batch's policy loss sees the advantages whitened once over all 8 rollout rows (plain
+    mean and unbiased std of the real tokens), not over its own 4 rows."""
+    trainer = make_trainer(
+        tokenizer, advantage_normalization=True, rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2
+    )
+    experience = rollout(trainer)
+    seen: list[torch.Tensor] = []
+    original = trainer_module.policy_terms
+
+    def spy(logprobs, entropy, batch, advantages, config, num_tokens):  # type: ignore[no-untyped-def]
+        seen.append(advantages[batch.response_mask.bool()].detach().clone())
+        return original(logprobs, entropy, batch, advantages, config, num_tokens)
+
+    monkeypatch.setattr(trainer_module, "policy_terms", spy)
+    trainer.learn(experience, step=1)
+    real = experience.advantages[experience.response_mask.bool()]
+    reference = (real - real.mean()) / real.std()  # std with n - 1, as masked_whiten
+    used = torch.cat(seen)
+    assert used.numel() == reference.numel()
+    assert torch.allclose(used.sort().values, reference.sort().values, atol=1e-5)

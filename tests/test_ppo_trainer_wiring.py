@@ -31,6 +31,9 @@ B, T = 4, 6
 LENGTHS = [6, 3, 5, 1]
 FINISHED = torch.tensor([True, False, True, True])
 UPDATE_LEVEL_SWITCHES = {"max_grad_norm", "critic_init", "critic_pretrain_steps"}
+# the paper's PPO-max (5.4) and its reference script (MOSS-RLHF train_ppo_en.sh): PPO-ptx is a separate
+# variant (Figure 12), and advantage whitening is not mixed with reward normalisation (appendix B.1)
+PPO_MAX_OFF = {"ptx_coef": 0.0, "advantage_normalization": False, "entropy_coef": 0.0}
 
 ALL_OUTPUTS = {
     "processed_scores",
@@ -66,13 +69,13 @@ SWITCHES: list[tuple[str, dict[str, Any], dict[str, Any], set[str]]] = [
         {"reward_normalization": False, "reward_scaling": True},
         FROM_SCORES,
     ),
-    ("advantage_normalization", {}, {"advantage_normalization": False}, POLICY_ONLY),
+    ("advantage_normalization", {}, {"advantage_normalization": True}, POLICY_ONLY),
     ("advantage_clip", {}, {"advantage_clip": 0.5}, POLICY_ONLY),
     ("clip_eps", {}, {"clip_eps": 0.05}, {"policy_loss", "policy_objective"}),
     ("value_clip", {}, {"value_clip": None}, {"value_loss"}),
     ("gamma", {}, {"gamma": 0.8}, FROM_ADVANTAGES),
     ("lam", {}, {"lam": 0.5}, FROM_ADVANTAGES),
-    ("ptx_coef", {}, {"ptx_coef": 0.0}, {"policy_objective"}),
+    ("ptx_coef", {}, {"ptx_coef": 0.5}, {"policy_objective"}),
     ("entropy_coef", {}, {"entropy_coef": 0.01}, {"policy_objective"}),
     ("behaviour_logprobs", {}, {"behaviour_logprobs": "reference"}, {"policy_loss", "policy_objective"}),
     ("unfinished_penalty", {}, {"unfinished_penalty": -3.0}, FROM_SCORES),
@@ -108,7 +111,7 @@ def outputs(config: PPOConfig) -> dict[str, torch.Tensor]:
     """Every tensor the trainer derives from the fixed batch under `config`."""
     batch = fixed_batch()
     stats = RunningMeanStd()
-    stats.update(penalize_unfinished(batch["scores"], FINISHED, config.unfinished_penalty))
+    stats.update(batch["scores"])  # raw scores: the unfinished penalty comes after the statistics
     experience = assemble_experience(
         prompt_ids=batch["prompt_ids"],
         prompt_mask=batch["prompt_mask"],
@@ -141,6 +144,12 @@ def outputs(config: PPOConfig) -> dict[str, torch.Tensor]:
         "value_loss": value,
         "policy_objective": policy_objective(surrogate, entropy, ptx, config),
     }
+
+
+def test_ppo_max_leaves_ptx_and_advantage_whitening_off() -> None:
+    config = PPOConfig(preset="ppo_max")
+    assert {name: getattr(config, name) for name in PPO_MAX_OFF} == PPO_MAX_OFF
+    assert config.reward_normalization and config.reward_clip is not None and config.kl_coef > 0
 
 
 def test_every_switch_of_the_table_is_covered() -> None:

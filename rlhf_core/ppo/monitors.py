@@ -113,25 +113,28 @@ def experience_monitors(experience: Experience) -> Metrics:
 
 
 def validation_monitors(
-    scores: Tensor, finished: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor
+    rewards: Tensor, scores: Tensor, finished: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor
 ) -> Metrics:
     """Held-out validation (paper 5.2): mean reward, KL, perplexity and length, prefixed ``val/``.
 
-    ``val/reward`` is the mean RAW score, the quantity the best checkpoint is chosen by; ``val/kl``
-    is the per-token k3 KL that the collapse guard's KL bound applies to.
+    ``val/reward`` is the mean of `rewards` ``[B]`` (the score with the unfinished penalty, what the
+    output policy is selected by), ``val/score`` the mean raw score; ``val/kl`` is the per-token k3
+    KL that the collapse guard's KL bound applies to.
     """
     kl = kl_monitors(logprobs, ref_logprobs, mask)
     perplexity = perplexity_monitors(logprobs, ref_logprobs, mask)
     lengths = length_monitors(mask, finished)
     return {
-        "val/reward": float(scores.float().mean()),
-        "val/reward_std": _std(scores),
+        "val/reward": float(rewards.float().mean()),
+        "val/reward_std": _std(rewards),
+        "val/score": float(scores.float().mean()),
         "val/kl": kl["kl/token_k3"],
         "val/kl_k1": kl["kl/token_k1"],
         "val/perplexity": perplexity["perplexity/policy"],
         "val/reference_perplexity": perplexity["perplexity/reference"],
         "val/length": lengths["response/length_mean"],
         "val/finished_fraction": lengths["response/finished_fraction"],
+        "val/prompts": float(rewards.shape[0]),
     }
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rlhf_core.ppo.selection import ValidationRecord, paired_difference
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -84,12 +86,41 @@ def plot_panel(history: Sequence[dict[str, float]], panel: Panel, path: Path) ->
     axes.grid(alpha=0.3)
     if axes.lines or pretraining:
         axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    """Write `figure` to `path` as PNG, atomically."""
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     figure.savefig(temporary, format="png")
     os.replace(temporary, path)
     return path
+
+
+def plot_validation_gain(validations: Sequence[ValidationRecord], chosen_step: int, path: Path) -> Path:
+    """Each validated policy's paired reward gain over the initial policy, with its 95% interval; the
+    policy the selection handed on is drawn in another colour."""
+    figure = Figure(figsize=(6.0, 4.0), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    initial = validations[0]
+    for record in validations:
+        gain = paired_difference(record.rewards, initial.rewards)
+        axes.errorbar(
+            record.step,
+            gain.mean,
+            yerr=[[gain.mean - gain.low], [gain.high - gain.mean]],
+            fmt="o",
+            capsize=4,
+            color="tab:red" if record.step == chosen_step else "tab:blue",
+        )
+    axes.axhline(0.0, color="0.5", linewidth=0.8)
+    axes.set_xlabel("PPO iteration (red: the policy handed on)")
+    axes.set_ylabel("validation reward - initial policy's (paired, 95% CI)")
+    axes.grid(alpha=0.3)
+    return _save(figure, path)
 
 
 def plot_figure_4(history: Sequence[dict[str, float]], out_dir: str | Path) -> list[Path]:

@@ -10,17 +10,19 @@ One iteration (`fit` runs `critic_pretrain_steps + steps` of them):
 2. guard (`guard.CollapseGuard`): the rollout's monitors against the collapse bounds (5.2);
 3. update (`PPOTrainer.learn`): `ppo_epochs` passes over the experience in shuffled mini-batches of
    `mini_batch_size`, each one optimizer step accumulated over micro-batches of
-   `micro_batch_size`. Advantages are whitened (and clipped) over the mini-batch (5.3.1, as in the
-   authors' code); every loss is a sum over tokens divided by the MINI-batch's token count, so the
+   `micro_batch_size`. Advantages are whitened (and clipped) over the whole rollout batch once,
+   before it is split (5.3.1); every loss is a sum over tokens divided by the MINI-batch's token count, so the
    split into micro-batches does not change the update. The policy loss is the clipped surrogate
    minus the entropy bonus plus, with PPO-ptx, `ptx_coef` times the LM loss on SFT data (5.3.3);
    the critic loss is the (clipped) value loss. Policy and critic gradients are clipped to
-   `max_grad_norm` separately. During the first `critic_pretrain_steps` iterations only the critic
-   learns (5.3.3: critic pretraining instead of a learning-rate warmup).
+   `max_grad_norm` separately. Until the value loss stops improving (`critic_pretraining.PlateauStop`,
+   at most `critic_pretrain_steps` iterations) only the critic learns (5.3.3: critic pretraining
+   instead of a learning-rate warmup); `steps` PPO iterations follow.
 
-Validation (`PPOTrainer.validate`) samples responses for held-out prompts with the rollout settings
-(so its KL estimate is on-policy) from a fixed seed, and the best validated policy within the KL
-bound is saved to `<checkpoint_dir>/best/`: that, not the last policy, is the run's output.
+Validation (`PPOTrainer.validate`) samples one response per held-out prompt with the rollout settings
+(so its KL estimate is on-policy) from fixed per-batch seeds, so validations are paired prompt by
+prompt; each validated policy is saved, and at the end `selection.select_policy` picks the one
+installed as `<checkpoint_dir>/best/`, the run's output.
 
 Per-phase wall times (`time/generate_s`, `time/score_s`, `time/train_s`, `time/validate_s`) are
 logged every iteration so a benchmark can split the cost.
@@ -29,7 +31,7 @@ Several ranks (a stage started by the `deepspeed` launcher, rlhf_core/distribute
 out its shard of every global prompt batch (`rollout_batch_size` prompts per rank) and learns from it
 with mini-batches of `mini_batch_size` rows per rank. What spans the batch is reduced across ranks:
 the running score statistics (`RunningMeanStd.update`), advantage whitening (over the global
-mini-batch), the token counts that normalise every loss, the PPO-ptx shard and the logged update
+rollout batch), the token counts that normalise every loss, the PPO-ptx shard and the logged update
 metrics; the rollout monitors (and so the collapse guard) are computed on the gathered global
 experience, and validation runs on every rank alike. Policy and critic are DeepSpeed engines
 (`distributed.ppo_engines`); under ZeRO-3 the policy's weights are gathered ONCE around each batched
@@ -40,11 +42,12 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,8 +80,10 @@ from rlhf_core.models.chat import (
 )
 from rlhf_core.models.heads import Critic
 from rlhf_core.models.lora import make_trainable
+from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages
+from rlhf_core.ppo.critic_pretraining import PlateauStop
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.guard import CollapseError, CollapseGuard, check_finite
 from rlhf_core.ppo.kl import kl_k1
@@ -98,6 +103,7 @@ from rlhf_core.ppo.monitors import (
 )
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import normalize_scores, scale_scores, token_level_rewards
+from rlhf_core.ppo.selection import Selection, ValidationRecord, select_policy
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,
     Scorer,
@@ -128,6 +134,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BEST_DIR = "best"
+VALIDATED_DIR = "validated"  # validated/step-<n>: every validated policy, until the selection
 SAMPLES_PER_TABLE = 4
 WHITENING_EPS = 1e-8  # as in rlhf_core.ppo.masked.masked_whiten
 
@@ -136,7 +143,11 @@ WHITENING_EPS = 1e-8  # as in rlhf_core.ppo.masked.masked_whiten
 
 
 def penalize_unfinished(scores: Tensor, finished: Tensor, penalty: float) -> Tensor:
-    """Add `penalty` to the score of every response cut without an end-of-turn token: ``[B]`` -> ``[B]``."""
+    """Add `penalty` to the score of every response cut without an end-of-turn token: ``[B]`` -> ``[B]``.
+
+    In score units, after the running statistics took the raw scores (so the penalty never widens the
+    std it is then normalised with) and before normalisation; validation rewards add it the same way.
+    """
     return torch.where(finished, scores, scores + penalty)
 
 
@@ -176,7 +187,7 @@ def assemble_experience(
 
     Unfinished penalty, score processing (5.3.1), the token-level KL-penalised reward with the k1
     estimator (5.3.2, ``rewards.token_level_rewards``) and GAE (3.2). `score_stats` must already
-    include this batch's penalised scores (`penalize_unfinished`); nothing here updates it.
+    include this batch's RAW scores; nothing here updates it.
     """
     real = response_mask.bool()
     processed = process_scores(
@@ -206,7 +217,7 @@ def assemble_experience(
 
 
 def whiten_across_ranks(advantages: Tensor, mask: Tensor) -> Tensor:
-    """`whiten_advantages` over the GLOBAL mini-batch: every rank's rows of it (a collective).
+    """`whiten_advantages` over the GLOBAL rollout batch: every rank's rows of it (a collective).
 
     One process: exactly `whiten_advantages`. Several ranks: the mean and unbiased variance of the real
     entries of all ranks' rows (`collectives.global_masked_mean_var`), applied to this rank's rows.
@@ -218,10 +229,11 @@ def whiten_across_ranks(advantages: Tensor, mask: Tensor) -> Tensor:
 
 
 def loss_advantages(advantages: Tensor, mask: Tensor, config: PPOConfig) -> Tensor:
-    """The advantages the policy loss uses: whitened over the mini-batch, then clipped (paper 5.3.1).
+    """The advantages the policy loss uses: whitened over the rollout batch, then clipped (paper 5.3.1).
 
-    ``[B, T]`` -> ``[B, T]`` for the whole mini-batch, before it is split into micro-batches. With
-    several ranks the mini-batch is the union of their rows (`whiten_across_ranks`).
+    ``[B, T]`` -> ``[B, T]`` for the whole rollout batch, before it is split into mini-batches (a
+    mini-batch of 4 responses is too few to estimate a mean and std from). With several ranks the
+    batch is the union of their rows (`whiten_across_ranks`).
     """
     if config.advantage_normalization:
         advantages = whiten_across_ranks(advantages, mask)
@@ -333,11 +345,12 @@ class PPOModels:
 
 @dataclass(frozen=True)
 class PPOData:
-    """Prompts to train on and to validate on, and SFT (prompt, reply) pairs for PPO-ptx."""
+    """Prompts to train on and to validate on (held out of training), and SFT pairs for PPO-ptx."""
 
     prompts: Sequence[Messages]
-    eval_prompts: Sequence[Messages]
+    val_prompts: Sequence[Messages]
     ptx_examples: Sequence[tuple[Messages, str]] = ()
+    val_prompt_ids: Sequence[str] = ()  # ids of `val_prompts` (for the record); default: their positions
 
 
 def build_ppo_optimizer(policy: nn.Module, critic: nn.Module, config: PPOConfig) -> AdamW:
@@ -359,6 +372,11 @@ def build_ppo_optimizer(policy: nn.Module, critic: nn.Module, config: PPOConfig)
         },
     ]
     return AdamW(groups, weight_decay=0.0)
+
+
+def validated_dir(root: Path, step: int) -> Path:
+    """Where the policy validated after iteration `step` is kept until the selection."""
+    return root / VALIDATED_DIR / f"step-{step}"
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -444,6 +462,10 @@ class PPOTrainer:
         )
         self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
         self.context = rank_context()
+        self.critic_pretraining = PlateauStop(
+            config.critic_pretrain_steps, config.critic_pretrain_patience, config.critic_pretrain_min_improvement
+        )
+        self.pretrain_end: int | None = 0 if config.critic_pretrain_steps == 0 else None
         self.trunk = self._shared_trunk()
         self.engines: PPOEngines | None = None
         if self.context.is_distributed:
@@ -462,27 +484,32 @@ class PPOTrainer:
             )
         self.prompt_plan = self._prompt_plan()
         self.ptx_plan = self._ptx_plan()
-        self.eval_prompt_ids = sorted(  # by length: validation batches need little padding
+        names = list(data.val_prompt_ids) or [str(index) for index in range(len(data.val_prompts))]
+        validation = sorted(  # by length: validation batches need little padding
             (
-                encode_prompt(tokenizer, messages, config.max_prompt_tokens)
-                for messages in data.eval_prompts[: config.eval_prompts]
+                (encode_prompt(tokenizer, messages, config.max_prompt_tokens), name)
+                for messages, name in zip(data.val_prompts[: config.val_prompts], names)
             ),
-            key=len,
+            key=lambda item: len(item[0]),
         )
-        if not self.eval_prompt_ids:
-            raise ValueError("PPO validation needs at least one held-out prompt; got none")
+        if len(validation) < 2:
+            raise ValueError(
+                f"PPO validation needs at least 2 held-out prompts (paired standard errors); got {len(validation)}"
+            )
+        self.val_prompt_tokens = [tokens for tokens, _ in validation]
+        self.val_prompt_names = [name for _, name in validation]  # in the order of every validation's rewards
         self.score_stats = RunningMeanStd()
         self.guard = CollapseGuard(config.guard)
         self.prompt_batches_used = 0
         self.ptx_steps_used = 0
-        self.best_step: int | None = None
-        self.best_reward: float | None = None
-        self.initial_reward: float | None = None
+        self.validations: list[ValidationRecord] = []
 
     @property
     def total_steps(self) -> int:
-        """Iterations of the run: the critic-only ones first, then `steps` PPO iterations."""
-        return self.config.critic_pretrain_steps + self.config.steps
+        """Iterations of the run: the critic-only ones first (at most `critic_pretrain_steps` while they
+        last), then `steps` PPO iterations."""
+        pretraining = self.config.critic_pretrain_steps if self.pretrain_end is None else self.pretrain_end
+        return pretraining + self.config.steps
 
     def _prompt_plan(self) -> BatchPlan:
         """The global prompt stream: `rollout_batch_size` prompts per rank and iteration."""
@@ -662,8 +689,8 @@ class PPOTrainer:
     def make_experience(self, prompts: list[list[int]]) -> tuple[Experience, Metrics]:
         """Sample, judge and assemble one `Experience`; also returns the phase timings and token count.
 
-        Updates the running score statistics with this batch (before normalising it, see
-        `rewards.py`).
+        Updates the running score statistics with this batch's raw scores (before normalising it, see
+        `rewards.py`; the unfinished penalty comes after, `penalize_unfinished`).
         """
         self.models.policy.eval()
         self.models.critic.eval()
@@ -683,7 +710,7 @@ class PPOTrainer:
         values = self._values(prompt, response, self._trunk_for("critic", trunk))
         scores = self._scores(prompt, response, self._trunk_for("reward_model", trunk))
         scored = time.perf_counter()
-        self.score_stats.update(penalize_unfinished(scores, finished, self.config.unfinished_penalty))
+        self.score_stats.update(scores)
         experience = assemble_experience(
             prompt_ids=prompt[0],
             prompt_mask=prompt[1],
@@ -717,7 +744,21 @@ class PPOTrainer:
 
     def trains_policy(self, step: int) -> bool:
         """Whether iteration `step` (1-based) updates the policy: not during critic pretraining."""
-        return step > self.config.critic_pretrain_steps
+        return self.pretrain_end is not None and step > self.pretrain_end
+
+    def _end_critic_pretraining_if_done(self, step: int, metrics: Metrics) -> None:
+        """After critic-only iteration `step`: end the phase once the value loss stops improving."""
+        if self.pretrain_end is None and self.critic_pretraining.update(metrics["loss/value"]):
+            self.pretrain_end = step
+            log.info("critic pretraining ended after %d iterations (value loss %.4g)", step, metrics["loss/value"])
+
+    def validates_after(self, step: int) -> bool:
+        """Whether iteration `step` is followed by a validation: every `eval_every` PPO iterations and
+        after the last (never during critic pretraining: the policy has not moved)."""
+        if not self.trains_policy(step):
+            return False
+        assert self.pretrain_end is not None
+        return (step - self.pretrain_end) % self.config.eval_every == 0 or step == self.total_steps
 
     # ---- update ----------------------------------------------------------------------------------
 
@@ -737,16 +778,27 @@ class PPOTrainer:
         ]
 
     def learn(self, experience: Experience, step: int) -> Metrics:
-        """Phase 3: `ppo_epochs` shuffled passes of mini-batch updates; returns their mean metrics."""
+        """Phase 3: `ppo_epochs` shuffled passes of mini-batch updates; returns their mean metrics.
+
+        The advantages are whitened and clipped over the whole rollout batch first (`loss_advantages`).
+        A critic-only iteration may end critic pretraining (`critic_pretraining.PlateauStop`).
+        """
         started = time.perf_counter()
         size = self.config.mini_batch_size
+        experience = replace(
+            experience, advantages=loss_advantages(experience.advantages, experience.response_mask, self.config)
+        )
+        train_policy = self.trains_policy(step)
         updates = []
         for _ in range(self.config.ppo_epochs):
             order = torch.randperm(experience.batch_size, device=self.device)
             for first in range(0, experience.batch_size, size):
                 batch = experience.select(order[first : first + size])
-                updates.append(self.update_minibatch(batch, self.trains_policy(step), step))
-        return {**_average(updates), "time/train_s": time.perf_counter() - started}
+                updates.append(self.update_minibatch(batch, train_policy, step))
+        metrics = {**_average(updates), "time/train_s": time.perf_counter() - started}
+        if not train_policy:
+            self._end_critic_pretraining_if_done(step, metrics)
+        return metrics
 
     def update_minibatch(self, batch: Experience, train_policy: bool, step: int) -> Metrics:
         """One optimizer step on one mini-batch, accumulated over its micro-batches.
@@ -755,7 +807,6 @@ class PPOTrainer:
         NaN or infinite, so no bad update is ever applied.
         """
         num_tokens = sum_counts({"tokens": int(batch.response_mask.sum())})["tokens"]  # of all ranks
-        advantages = loss_advantages(batch.advantages, batch.response_mask, self.config)
         ptx_batches = self._next_ptx_batches() if train_policy and self.ptx_plan is not None else []
         local_ptx_tokens = sum(int(ptx.loss_mask[:, 1:].sum()) for ptx in ptx_batches)
         ptx_tokens = sum_counts({"tokens": local_ptx_tokens})["tokens"]
@@ -766,7 +817,7 @@ class PPOTrainer:
             self._critic_backward(micro, num_tokens, step, metrics)
             if train_policy:
                 ptx = (ptx_batches[index], ptx_tokens) if ptx_batches else None
-                self._policy_backward(micro, advantages[rows], num_tokens, ptx, step, metrics)
+                self._policy_backward(micro, num_tokens, ptx, step, metrics)
         norms = self._clip_and_step(train_policy, step)
         return {**sum_metrics(dict(metrics)), **norms}  # each rank's share of the global mini-batch
 
@@ -791,7 +842,6 @@ class PPOTrainer:
     def _policy_backward(
         self,
         micro: Experience,
-        advantages: Tensor,
         num_tokens: int,
         ptx: tuple[PtxBatch, int] | None,
         step: int,
@@ -813,7 +863,7 @@ class PPOTrainer:
             )
             entropy = entropy if entropy is not None else torch.zeros_like(logprobs)
             surrogate, mean_entropy, stats = policy_terms(
-                logprobs, entropy, micro, advantages, config, num_tokens
+                logprobs, entropy, micro, micro.advantages, config, num_tokens
             )
             ptx_loss = ptx_nll_sum(self.models.policy, ptx[0]) / ptx[1] if ptx else surrogate.new_zeros(())
         self._backward(
@@ -893,19 +943,21 @@ class PPOTrainer:
         return torch.random.fork_rng(devices=devices)
 
     @torch.no_grad()
-    def validate(self) -> Metrics:
-        """Mean reward, KL, perplexity and length on the held-out prompts (`val/...`, paper 5.2).
+    def validate(self) -> tuple[Metrics, list[float]]:
+        """Monitors on the held-out prompts (`val/...`, paper 5.2) and the reward of each prompt.
 
-        Samples with the rollout settings from the same seed every time, so successive validations
-        differ only by the policy, and training's random stream is not consumed.
+        A prompt's reward is what training optimises, less the KL term: the reward model's score plus
+        `unfinished_penalty` when the response was cut. Each batch of prompts samples from its own fixed
+        seed, so successive validations differ only by the policy (paired, `selection.py`), and
+        training's random stream is not consumed.
         """
         started = time.perf_counter()
         self.models.policy.eval()
         parts: dict[str, list[Tensor]] = defaultdict(list)
         with self._validation_rng(), self._whole_policy():
-            torch.manual_seed(self.seed)
-            for rows in chunks(len(self.eval_prompt_ids), self.config.rollout_batch_size):
-                prompt = left_pad(self.eval_prompt_ids[rows], self.pad_id, self.device)
+            for index, rows in enumerate(chunks(len(self.val_prompt_tokens), self.config.rollout_batch_size)):
+                torch.manual_seed(self.seed + index)
+                prompt = left_pad(self.val_prompt_tokens[rows], self.pad_id, self.device)
                 with self._autocast():
                     response_ids, mask, finished = generate_responses(
                         self.models.policy, *prompt, self.config.rollout, self.stop_ids, self.pad_id
@@ -920,34 +972,32 @@ class PPOTrainer:
                 parts["finished"].append(finished)
                 parts["mask"].append(mask)
         width = max(mask.shape[1] for mask in parts["mask"])
+        scores, finished = torch.cat(parts["scores"]), torch.cat(parts["finished"])
+        rewards = penalize_unfinished(scores, finished, self.config.unfinished_penalty)
         metrics = validation_monitors(
-            scores=torch.cat(parts["scores"]),
-            finished=torch.cat(parts["finished"]),
+            rewards=rewards,
+            scores=scores,
+            finished=finished,
             logprobs=torch.cat([_pad_columns(t, width) for t in parts["logprobs"]]),
             ref_logprobs=torch.cat([_pad_columns(t, width) for t in parts["ref_logprobs"]]),
             mask=torch.cat([_pad_columns(t, width) for t in parts["mask"]]),
         )
-        return {**metrics, "time/validate_s": time.perf_counter() - started}
+        return {**metrics, "time/validate_s": time.perf_counter() - started}, rewards.tolist()
 
-    def track_best(self, step: int, validation: Metrics, best_dir: Path) -> bool:
-        """Save the policy to `best_dir` when this validation is the best within the KL bound (5.2).
-
-        Reward alone misleads (a policy can game the reward model while drifting away), so a
-        validation only counts when its KL to the reference is within the guard's `max_kl`.
-        Returns whether the policy was saved.
-        """
-        reward = validation["val/reward"]
-        if self.initial_reward is None:
-            self.initial_reward = reward
-        if not self.guard.within_kl_bound(validation["val/kl"]):
-            return False
-        if self.best_reward is not None and reward <= self.best_reward:
-            return False
-        with gathered_parameters(self.models.policy):  # every rank decides alike; rank 0 writes
+    def record_validation(self, step: int, validation: Metrics, rewards: list[float], root: Path) -> None:
+        """Keep this validation's per-prompt rewards and save the policy to `root/validated/step-<step>`."""
+        with gathered_parameters(self.models.policy):  # every rank alike; rank 0 writes
             if self.context.is_main:
-                save_causal_lm(self.models.policy, self.tokenizer, best_dir)
-        self.best_step, self.best_reward = step, reward
-        return True
+                save_causal_lm(self.models.policy, self.tokenizer, validated_dir(root, step))
+        self.validations.append(ValidationRecord(step=step, kl=validation["val/kl"], rewards=tuple(rewards)))
+
+    def select(self, root: Path) -> Selection:
+        """Apply `selection.select_policy` to the validations and install the chosen policy as `best/`."""
+        selection = select_policy(self.validations, self.config.guard.max_kl)
+        if self.context.is_main:
+            with atomic_directory(root / BEST_DIR) as temporary:
+                shutil.copytree(validated_dir(root, selection.step), temporary, dirs_exist_ok=True)
+        return selection
 
     # ---- state -----------------------------------------------------------------------------------
 
@@ -958,9 +1008,9 @@ class PPOTrainer:
             "guard": self.guard.state_dict(),
             "prompt_batches_used": self.prompt_batches_used,
             "ptx_steps_used": self.ptx_steps_used,
-            "best_step": self.best_step,
-            "best_reward": self.best_reward,
-            "initial_reward": self.initial_reward,
+            "critic_pretraining": self.critic_pretraining.state_dict(),
+            "pretrain_end": self.pretrain_end,
+            "validations": [record.to_dict() for record in self.validations],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -968,15 +1018,13 @@ class PPOTrainer:
         self.guard.load_state_dict(state["guard"])
         self.prompt_batches_used = int(state["prompt_batches_used"])
         self.ptx_steps_used = int(state["ptx_steps_used"])
-        self.best_step = state["best_step"]
-        self.best_reward = state["best_reward"]
-        self.initial_reward = state["initial_reward"]
+        self.critic_pretraining.load_state_dict(state["critic_pretraining"])
+        self.pretrain_end = state["pretrain_end"]
+        self.validations = [ValidationRecord.from_dict(record) for record in state["validations"]]
 
     def save_checkpoint(self, root: Path, step: int, metrics: Metrics) -> Path:
         """Policy + critic weights, optimizer, scheduler, RNG states and `state_dict`, atomically."""
-        state = TrainingState(
-            step=step, best_metric=self.best_reward, metrics=metrics, extra=self.state_dict()
-        )
+        state = TrainingState(step=step, best_metric=None, metrics=metrics, extra=self.state_dict())
         if self.engines is not None:
             return self.engines.save(root, state, self.config.keep_checkpoints)
         return save_checkpoint(
@@ -1006,14 +1054,14 @@ class PPOTrainer:
 
 @dataclass(frozen=True)
 class FitResult:
-    """How a run ended. Step 0 is the initial (SFT) policy; `best_step` is the policy in `best/`."""
+    """How a run ended. Step 0 is the initial (SFT) policy; `selection` names the policy in `best/`."""
 
     final_step: int  # the last iteration whose update was applied
     resumed_from: int
     total_steps: int
-    best_step: int
-    best_reward: float
-    initial_reward: float
+    critic_pretrain_steps: int  # critic-only iterations run (PlateauStop)
+    selection: Selection
+    validations: list[ValidationRecord]
     metrics: Metrics  # the last logged iteration's monitors
     stop: CollapseError | None  # why the guard stopped the run, or None
 
@@ -1033,32 +1081,31 @@ def fit(
     samples: SampleTable | None = None,
     progress_bar: bool = False,
 ) -> FitResult:
-    """Run (or resume) the whole PPO run; the best validated policy ends up in `<checkpoint_dir>/best/`.
+    """Run (or resume) the whole PPO run; the selected policy ends up in `<checkpoint_dir>/best/`.
 
-    Validates the initial policy at step 0 (the SFT baseline, always within the KL bound, so a best
-    policy exists from the start), then every `eval_every` iterations and after the last. Checkpoints
-    every `checkpoint_every` iterations and after the last; a rerun resumes from the newest one and
-    repeats exactly what the interrupted run would have done. When the collapse guard stops the
-    run, the stopping iteration's monitors are logged and the result carries the `CollapseError`.
+    Validates the initial policy at step 0 (the SFT baseline), then every `eval_every` PPO iterations
+    and after the last; `PPOTrainer.select` then picks the output among the validated policies.
+    Checkpoints every `checkpoint_every` iterations and after the last; a rerun resumes from the newest
+    one and repeats exactly what the interrupted run would have done. When the collapse guard stops
+    the run, the stopping iteration's monitors are logged and the result carries the `CollapseError`.
     """
     config = trainer.config
     root = Path(checkpoint_dir)
-    best_dir = root / BEST_DIR
     logger = logger if logger is not None else NullLogger()
-    total = trainer.total_steps
     # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
     seed_everything(trainer.seed + trainer.context.rank)
     state = trainer.resume(root)
     _rewind(logger, samples, state.step if state.step > 0 else -1)
     metrics = dict(state.metrics)
     if state.step == 0:
-        validation = trainer.validate()
-        trainer.track_best(0, validation, best_dir)
+        validation, rewards = trainer.validate()
+        trainer.record_validation(0, validation, rewards, root)
         logger.log_metrics({**validation, "progress": 0.0}, 0)
     stop = None
-    final_step = state.step
-    with tqdm(total=total, initial=state.step, disable=not progress_bar, desc="ppo") as progress:
-        for step in range(state.step + 1, total + 1):
+    step = final_step = state.step
+    with tqdm(total=trainer.total_steps, initial=step, disable=not progress_bar, desc="ppo") as progress:
+        while step < trainer.total_steps:
+            step += 1
             experience, metrics = trainer.rollout(step)
             try:
                 trainer.guard.check(metrics, step, initial_policy=not trainer.trains_policy(step - 1))
@@ -1067,33 +1114,30 @@ def fit(
                 logger.log_metrics({**metrics, "guard/stopped": 1.0}, step)
                 stop = error
                 break
+            progress.total = trainer.total_steps  # known once critic pretraining has ended
             if samples is not None and step % config.sample_table_every == 0:
                 samples.write(step, sample_rows(experience, trainer.tokenizer, SAMPLES_PER_TABLE))
-            if step % config.eval_every == 0 or step == total:
-                validation = trainer.validate()
-                trainer.track_best(step, validation, best_dir)
+            if trainer.validates_after(step):
+                validation, rewards = trainer.validate()
+                trainer.record_validation(step, validation, rewards, root)
                 metrics.update(validation)
-            metrics["progress"] = step / total
+            metrics["progress"] = step / trainer.total_steps
             logger.log_metrics(metrics, step)
-            if step % config.checkpoint_every == 0 or step == total:
+            if step % config.checkpoint_every == 0 or step == trainer.total_steps:
                 trainer.save_checkpoint(root, step, metrics)
             final_step = step
             progress.update(1)
             progress.set_postfix(
                 reward=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl/token_k3']:.3f}"
             )
-    if trainer.best_step is None or trainer.best_reward is None or trainer.initial_reward is None:
-        raise RuntimeError(
-            "no validated policy within the KL bound, not even the initial one: is the policy a copy of the "
-            "reference model?"
-        )
+    selection = trainer.select(root)
     return FitResult(
         final_step=final_step,
         resumed_from=state.step,
-        total_steps=total,
-        best_step=trainer.best_step,
-        best_reward=trainer.best_reward,
-        initial_reward=trainer.initial_reward,
+        total_steps=trainer.total_steps,
+        critic_pretrain_steps=trainer.pretrain_end if trainer.pretrain_end is not None else final_step,
+        selection=selection,
+        validations=list(trainer.validations),
         metrics=metrics,
         stop=stop,
     )

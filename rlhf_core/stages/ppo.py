@@ -1,18 +1,22 @@
 """Stage `ppo`: PPO-max (paper section 5) from the SFT and reward-model outputs.
 
-Inputs: `data_dir` (the prepared splits: `ppo_prompts` to train on, `eval` prompts to validate on,
-`sft` for PPO-ptx), `sft_dir/model` (the policy and its frozen reference copy) and `rm_dir/model`
+Inputs: `data_dir` (the prepared splits: `ppo_prompts` to train on, `ppo_val_prompts` to validate
+and select the output on (held out of training and disjoint from `eval`), `sft` for PPO-ptx), `sft_dir/model` (the policy and its frozen reference copy) and `rm_dir/model`
 (the frozen reward model, and the critic's initialisation when `ppo.critic_init` is "reward").
 
 Outputs in `out_dir`:
 
-    model/            the best validated policy within the KL bound (not the last one; paper 5.2), in
+    model/            the selected validated policy (rlhf_core/ppo/selection.py: the latest within the KL
+                      bound unless an earlier one is better by two paired standard errors), in
                       Hugging Face format with chat template and an end-of-turn generation config
     metrics.json      headline figures, written LAST: the stage is complete iff it exists
     history.jsonl     every monitor, one line per iteration; step 0 validates the SFT policy
     samples.jsonl     sample prompts and responses every `ppo.sample_table_every` iterations
-    plots/*.png       the paper's Figure 4 panels: reward, KL, perplexity, response length
+    plots/*.png       the paper's Figure 4 panels (reward, KL, perplexity, response length) and
+                      validation_gain.png (each validated policy's paired gain with its 95% interval)
     checkpoints/      step-*/ (the newest `ppo.keep_checkpoints`) for exact resume, and best/
+    selection.json    the selection: chosen step, rule, the paired gain over the SFT policy with its 95%
+                      interval, and every validation's per-prompt rewards
     guard_stop.txt    only when the collapse guard stopped the run: its message
     reward_model.json the reward model PPO optimised against: its path and content sha256, so an
                       evaluation can tell whether its reward-model judge is in-sample (`reward_record`)
@@ -44,15 +48,17 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.ppo.monitors import SampleTable
-from rlhf_core.ppo.plots import plot_figure_4
+from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
 from rlhf_core.ppo.rollout import RewardModelScorer
 from rlhf_core.ppo.trainer import (
     BEST_DIR,
+    VALIDATED_DIR,
     FitResult,
     PPOData,
     PPOModels,
     PPOTrainer,
     fit,
+    validated_dir,
 )
 from rlhf_core.stages.result import (
     METRICS_FILE,
@@ -63,6 +69,11 @@ from rlhf_core.stages.result import (
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger
 
 GUARD_STOP_FILE = "guard_stop.txt"
+SELECTION_FILE = "selection.json"
+SELECTION_RULE = (
+    "the latest validated policy within the KL bound (ppo.guard.max_kl), unless an earlier one is better by "
+    "more than 2 paired standard errors of the per-prompt reward on the held-out PPO validation prompts"
+)
 REWARD_RECORD_FILE = "reward_model.json"
 READ_CHUNK_BYTES = 1 << 20
 HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "response/length_mean")
@@ -105,22 +116,18 @@ def load_ppo_models(
 
 
 def load_ppo_data(config: Config, data_dir: Path) -> PPOData:
-    """Training prompts, distinct held-out prompts (in split order) and, for PPO-ptx, the SFT pairs."""
-    seen: set[str] = set()
-    eval_prompts = []
-    for pair in load_split(data_dir, "eval"):
-        if pair.prompt_id not in seen:
-            seen.add(pair.prompt_id)
-            eval_prompts.append(pair.prompt)
+    """Training prompts, the held-out PPO validation prompts and, for PPO-ptx, the SFT pairs."""
     ptx = (
         [(example.prompt, example.response) for example in load_split(data_dir, "sft")]
         if config.ppo.ptx_coef
         else []
     )
+    validation = load_split(data_dir, "ppo_val_prompts")
     return PPOData(
         prompts=[prompt.prompt for prompt in load_split(data_dir, "ppo_prompts")],
-        eval_prompts=eval_prompts,
+        val_prompts=[prompt.prompt for prompt in validation],
         ptx_examples=ptx,
+        val_prompt_ids=[prompt.prompt_id for prompt in validation],
     )
 
 
@@ -130,23 +137,37 @@ def read_history(path: Path) -> list[dict[str, float]]:
 
 
 def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time: float) -> dict[str, float]:
-    """The headline figures of metrics.json: the best policy vs the SFT policy, how the run ended, and
-    the first and last values of the Figure-4 monitors."""
-    best_row = next(row for row in history if row["step"] == result.best_step and "val/reward" in row)
+    """The headline figures of metrics.json: the selected policy vs the SFT policy (paired, with its 95%
+    interval), how the run ended, the critic before the policy moved, and the first and last values of
+    the Figure-4 monitors."""
+    selected = result.selection
+    chosen_row = next(row for row in history if row["step"] == selected.step and "val/reward" in row)
+    initial_row = next(row for row in history if row["step"] == 0 and "val/reward" in row)
+    gain = selected.versus_initial
     metrics = {
         "steps_completed": float(result.final_step),
         "total_steps": float(result.total_steps),
-        "best_step": float(result.best_step),
-        "val/reward_best": result.best_reward,
-        "val/kl_best": best_row["val/kl"],
-        "val/reward_initial": result.initial_reward,
-        "val/reward_gain": result.best_reward - result.initial_reward,
+        "critic_pretrain_steps": float(result.critic_pretrain_steps),
+        "best_step": float(selected.step),
+        "val/reward_best": chosen_row["val/reward"],
+        "val/kl_best": chosen_row["val/kl"],
+        "val/reward_initial": initial_row["val/reward"],
+        "val/reward_gain": gain.mean,
+        "val/reward_gain_low": gain.low,
+        "val/reward_gain_high": gain.high,
+        "val/prompts": float(gain.prompts),
         "guard_stopped": float(result.stop is not None),
         "resumed_from": float(result.resumed_from),  # the restored checkpoint's iteration (0: fresh start)
         "wall_time_s": wall_time,  # of this invocation (a resumed run counts only its own part)
     }
     if result.stop is not None:
         metrics["guard_stop_step"] = float(result.stop.step)
+    critic_rows = [row for row in history if row["step"] > 0 and "values/explained_variance" in row]
+    if critic_rows:  # the critic before pretraining, and as the policy starts to move
+        metrics["critic/explained_variance_initial"] = critic_rows[0]["values/explained_variance"]
+        started = [row for row in critic_rows if row["step"] > result.critic_pretrain_steps]
+        if started:
+            metrics["critic/explained_variance_pretrained"] = started[0]["values/explained_variance"]
     trained = [row for row in history if row["step"] > 0]
     for name in HEADLINE_MONITORS:
         values = [row[name] for row in trained if name in row]
@@ -156,6 +177,23 @@ def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time:
     return metrics
 
 
+def selection_record(result: FitResult, prompt_ids: list[str]) -> dict[str, object]:
+    """selection.json: the rule's decision, the prompts validated on, and the per-prompt rewards (in the
+    order of `prompt_ids`) it was made from."""
+    gain = result.selection.versus_initial
+    return {
+        "chosen_step": result.selection.step,
+        "rule": SELECTION_RULE,
+        "reason": result.selection.reason,
+        "gain_over_initial": {
+            "mean": gain.mean, "standard_error": gain.standard_error, "low": gain.low, "high": gain.high,
+            "prompts": gain.prompts,
+        },
+        "prompt_ids": prompt_ids,
+        "validations": [record.to_dict() for record in result.validations],
+    }
+
+
 def copy_best_policy(checkpoint_dir: Path, model_dir: Path) -> None:
     """Install `checkpoints/best/` as the stage's `model/`, atomically."""
     best = checkpoint_dir / BEST_DIR
@@ -163,6 +201,13 @@ def copy_best_policy(checkpoint_dir: Path, model_dir: Path) -> None:
         raise FileNotFoundError(f"{best} is missing: the run has no validated policy to hand on")
     with atomic_directory(model_dir) as temporary:
         shutil.copytree(best, temporary, dirs_exist_ok=True)
+
+
+def prune_validated(checkpoint_dir: Path, chosen_step: int) -> None:
+    """Delete the validated policies the selection did not choose (a rerun's selection finds the chosen one)."""
+    for path in (checkpoint_dir / VALIDATED_DIR).glob("step-*"):
+        if path != validated_dir(checkpoint_dir, chosen_step):
+            shutil.rmtree(path)
 
 
 def _clear_completion_markers(out_dir: Path) -> None:
@@ -211,8 +256,11 @@ def run_ppo(
     if result.stop is not None:
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
     copy_best_policy(out_dir / "checkpoints", out_dir / "model")
+    prune_validated(out_dir / "checkpoints", result.selection.step)
+    atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection_record(result, trainer.val_prompt_names), indent=2) + "\n")
     rows = read_history(out_dir / "history.jsonl")
     plot_figure_4(rows, out_dir / "plots")
+    plot_validation_gain(result.validations, result.selection.step, out_dir / "plots" / "validation_gain.png")
     metrics = stage_metrics(result, rows, time.perf_counter() - started)
     write_reward_record(out_dir, rm_dir)
     write_metrics(out_dir, metrics)
