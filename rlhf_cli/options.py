@@ -26,6 +26,14 @@ OutOption = Annotated[Optional[Path], typer.Option("--out", help="Output directo
 DataDirOption = Annotated[Path, typer.Option("--data-dir", help="Prepared data (output of prepare-data).")]
 SftDirOption = Annotated[Path, typer.Option("--sft-dir", help="Output directory of the sft stage.")]
 RmDirOption = Annotated[Path, typer.Option("--rm-dir", help="Output directory of the train-rm stage.")]
+RestartOption = Annotated[
+    bool,
+    typer.Option(
+        "--restart",
+        help="Delete the output's checkpoints and train from scratch, instead of resuming them "
+        "(needed when they were made with other settings or inputs).",
+    ),
+]
 
 
 def resolve_config(params: Path, config: list[Path] | None, overrides: list[str] | None) -> Config:

@@ -13,7 +13,17 @@ from pathlib import Path
 import typer
 
 from rlhf_cli.launching import run_training_stage
-from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, RmDirOption, SetOption, SftDirOption, resolve_config
+from rlhf_cli.options import (
+    ConfigOption,
+    DataDirOption,
+    OutOption,
+    ParamsOption,
+    RestartOption,
+    RmDirOption,
+    SetOption,
+    SftDirOption,
+    resolve_config,
+)
 
 
 def ppo(
@@ -24,12 +34,16 @@ def ppo(
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
+    restart: RestartOption = False,
 ) -> None:
-    """PPO-max against the reward model; the output is the best validated policy within the KL bound."""
+    """PPO-max against the reward model; the output is the validated policy the selection rule chose."""
     from rlhf_core.stages.ppo import guard_message, run_ppo
+    from rlhf_core.stages.training_run import discard_checkpoints
 
     resolved = resolve_config(params, config, set_)
     out_dir = out if out is not None else Path("artifacts/ppo")
+    if restart:
+        discard_checkpoints(out_dir, "ppo")
     result = run_training_stage(
         "ppo",
         resolved,

@@ -14,7 +14,16 @@ from typing import Annotated
 import typer
 
 from rlhf_cli.launching import run_training_stage
-from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, SftDirOption, resolve_config
+from rlhf_cli.options import (
+    ConfigOption,
+    DataDirOption,
+    OutOption,
+    ParamsOption,
+    RestartOption,
+    SetOption,
+    SftDirOption,
+    resolve_config,
+)
 
 
 def _resumed_note(metrics: dict[str, float]) -> str:
@@ -37,12 +46,16 @@ def sft(
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
+    restart: RestartOption = False,
 ) -> None:
     """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
     from rlhf_core.stages.sft import run_sft
+    from rlhf_core.stages.training_run import discard_checkpoints
 
     resolved = resolve_config(params, config, set_)
     out_dir = out if out is not None else Path("artifacts/sft")
+    if restart:
+        discard_checkpoints(out_dir, "sft")
     result = run_training_stage(
         "sft", resolved, out_dir, lambda: run_sft(resolved, data_dir, out_dir), data_dir=data_dir
     )
@@ -66,12 +79,16 @@ def train_rm(
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
+    restart: RestartOption = False,
 ) -> None:
     """Train the reward model (ranking loss + beta_rm * LM loss); keep the best by validation accuracy."""
     from rlhf_core.stages.reward import run_train_rm
+    from rlhf_core.stages.training_run import discard_checkpoints
 
     resolved = resolve_config(params, config, set_)
     out_dir = out if out is not None else Path("artifacts/reward")
+    if restart:
+        discard_checkpoints(out_dir, "reward")
     result = run_training_stage(
         "reward",
         resolved,
@@ -94,12 +111,16 @@ def judge_rm(
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
+    restart: RestartOption = False,
 ) -> None:
     """Train the independent judge reward model on the PPO-prompt split (from the base model) to judge with."""
     from rlhf_core.stages.judge_reward import run_judge_rm
+    from rlhf_core.stages.training_run import discard_checkpoints
 
     resolved = resolve_config(params, config, set_)
     out_dir = out if out is not None else Path("artifacts/judge_reward")
+    if restart:
+        discard_checkpoints(out_dir, "judge-reward")
     metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
     typer.echo(
         f"judge-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs of the PPO-prompt "

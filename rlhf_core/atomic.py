@@ -2,16 +2,25 @@
 
 Later stages, DVC and the caches treat an existing output directory as finished, so a crash or an error
 half way through must never leave one behind, and must never damage the previous complete output.
+
+A process killed mid-write cannot clean up after itself, so its temporary siblings carry its host and
+pid in their names (`.<name>.tmp-<host>-<pid>-<random>`, `.<name>.old-...`), and the next atomic write of
+the same directory removes those whose process no longer runs (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+TEMPORARY = "tmp"  # the new output being written
+ASIDE = "old"  # the previous output, renamed aside during the swap
 
 
 @contextmanager
@@ -25,7 +34,8 @@ def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temporaries(out_dir)
+    temp_dir = Path(tempfile.mkdtemp(prefix=_sibling_prefix(out_dir, TEMPORARY), dir=out_dir.parent))
     temp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary, shareable directory
     try:
         yield temp_dir
@@ -38,7 +48,7 @@ def _swap_into_place(new_dir: Path, out_dir: Path) -> None:
     if not out_dir.exists():
         os.replace(new_dir, out_dir)
         return
-    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old_dir = Path(tempfile.mkdtemp(prefix=_sibling_prefix(out_dir, ASIDE), dir=out_dir.parent))
     os.replace(out_dir, old_dir)
     try:
         os.replace(new_dir, out_dir)
@@ -46,6 +56,48 @@ def _swap_into_place(new_dir: Path, out_dir: Path) -> None:
         os.replace(old_dir, out_dir)
         raise
     shutil.rmtree(old_dir)
+
+
+def _sibling_prefix(out_dir: Path, kind: str) -> str:
+    """`.<name>.<kind>-<host>-<pid>-`: whose temporary directory it is, for `remove_stale_temporaries`."""
+    return f".{out_dir.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_temporaries(out_dir: str | Path) -> None:
+    """Remove the temporary siblings of `out_dir` whose writer, a process on this host, no longer runs.
+
+    A previous output set aside by a swap that was killed half way is put back when `out_dir` is
+    missing (the swap got no further), so finished work is never lost; otherwise it is removed.
+    Directories of other hosts are left alone: their pids mean nothing here.
+    """
+    out_dir = Path(out_dir)
+    pattern = re.compile(
+        rf"^\.{re.escape(out_dir.name)}\.(?P<kind>{TEMPORARY}|{ASIDE})-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+$"
+    )
+    host = socket.gethostname()
+    stale: dict[str, list[Path]] = {TEMPORARY: [], ASIDE: []}
+    for sibling in sorted(out_dir.parent.iterdir()):
+        match = pattern.match(sibling.name)
+        if match and sibling.is_dir() and match["host"] == host and not _process_runs(int(match["pid"])):
+            stale[match["kind"]].append(sibling)
+    for aside in stale[ASIDE]:
+        if not out_dir.exists():
+            os.replace(aside, out_dir)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+    for temporary in stale[TEMPORARY]:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import types
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -487,7 +489,7 @@ def parse_override(text: str) -> dict[str, Any]:
     if not sep or not all(keys):
         raise ConfigError(f"override {text!r}: expected key.path=value, e.g. ppo.kl_coef=0.02")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw, f"override {text!r}") if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from err
     nested: dict[str, Any] = {keys[-1]: value}
@@ -496,12 +498,49 @@ def parse_override(text: str) -> dict[str, Any]:
     return nested
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping.
+
+    Plain PyYAML keeps the last of two equal keys, so a section written twice in an overlay silently
+    loses its first half. `<<` merge keys are not duplicates: keys given beside them override them.
+    """
+
+    source = "<string>"
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # PyYAML itself reports an unhashable key
+            if key in seen:
+                raise ConfigError(
+                    f"{self.source}: line {line}: duplicate key {key!r} (first given on line {seen[key]}); "
+                    "YAML would keep only the last one: merge the two into one entry"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    """`yaml.safe_load` that refuses duplicate keys; `source` names the file in the error."""
+    loader = _UniqueKeyLoader(text)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping (an empty file is an empty mapping)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from err
     if not isinstance(data, dict):
@@ -532,13 +571,58 @@ def _fields_at(model: type[BaseModel], location: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _scalar_types(annotation: Any) -> set[Any]:
+    """The scalar types a field annotation admits: `int | None` -> {int, NoneType}, Literal[0, 1] -> {int}."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return {type(value) for value in get_args(annotation)}
+    if origin in (Union, types.UnionType):
+        return set().union(*(_scalar_types(argument) for argument in get_args(annotation)))
+    return {annotation} if isinstance(annotation, type) else set()
+
+
+def _bool_number_mixups(raw: Any, model: type[BaseModel], location: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
+    """Key paths where a boolean stands for a number or a number for a boolean, each with its message.
+
+    pydantic's lax mode reads `true` as 1 for an integer field and 1 as true for a boolean one, so
+    `-s sft.max_steps=true` would quietly train one step. Booleans and numbers are kept apart here;
+    other coercions (the string "1e-4" for a float) stay allowed.
+    """
+    if not isinstance(raw, dict):
+        return {}
+    found: dict[tuple[str, ...], str] = {}
+    for key, value in raw.items():
+        field = model.model_fields.get(str(key))
+        if field is None:
+            continue  # pydantic reports unknown keys
+        path = (*location, str(key))
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found |= _bool_number_mixups(value, field.annotation, path)
+            continue
+        admitted = _scalar_types(field.annotation)
+        numbers = admitted & {int, float}
+        if isinstance(value, bool) and numbers and bool not in admitted:
+            kind = "an integer" if numbers == {int} else "a number"
+            off = " (null turns it off)" if type(None) in admitted else ""
+            found[path] = f"{'.'.join(path)}: expected {kind}{off}, got the boolean {str(value).lower()}"
+        elif bool in admitted and not numbers and value is not None and not isinstance(value, bool):
+            found[path] = f"{'.'.join(path)}: expected true or false, got {value!r}"
+    return found
+
+
 def validate_config(raw: dict[str, Any]) -> Config:
     """Validate a merged mapping; every problem is reported at once, by key path."""
+    mixups = _bool_number_mixups(raw, Config)
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as err:
-        lines = [_describe_error(e, Config) for e in err.errors()]
-        raise ConfigError("invalid configuration: " + "; ".join(lines)) from None
+        lines = [
+            _describe_error(e, Config) for e in err.errors() if tuple(map(str, e["loc"])) not in mixups
+        ]
+        raise ConfigError("invalid configuration: " + "; ".join([*mixups.values(), *lines])) from None
+    if mixups:
+        raise ConfigError("invalid configuration: " + "; ".join(mixups.values()))
+    return config
 
 
 def load_config(

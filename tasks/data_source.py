@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from rlhf_core.data.readers import DataSourceError
-from rlhf_core.stages.prepare_data import LOCAL_SUFFIXES
+from rlhf_core.stages.prepare_data import is_local_source
 from tasks import dvc_data
 from tasks.outputs import directory_sha256, file_sha256
 
@@ -40,14 +40,10 @@ class DataSource(BaseModel):
         return self.version
 
 
-def is_local(source: str) -> bool:
-    """The data stage's rule (rlhf_core.stages.prepare_data.resolve_source): on disk, or named like a file."""
-    return Path(source).expanduser().exists() or source.endswith(LOCAL_SUFFIXES)
-
-
 def resolve_data_source(source: str, config: Config) -> DataSource:
-    """The `DataSource` for a local path or Hub id; a local path that does not exist is an error."""
-    if not is_local(source):
+    """The `DataSource` for a local path or Hub id (the data stage's rule, `is_local_source`); a local
+    path that does not exist is an error."""
+    if not is_local_source(source):
         hub_id = {"name": source, "data_dir": config.data.hub_data_dir, "split": config.data.hub_split}
         version = hashlib.sha256(json.dumps(hub_id, sort_keys=True).encode()).hexdigest()
         return DataSource(uri=source, version=version, kind="hub")

@@ -7,6 +7,8 @@ and retrying them only delays the report:
 - a bad configuration, unusable data, a data source that cannot be read, and any other ValueError
   (the stages raise it for inputs they cannot use);
 - checkpoints made with other settings (ResumeMismatchError): resuming is refused every time;
+- an output directory another live process is writing (OutputLockedError): the second writer must stop
+  at once, not wait for the first to finish and then write over its output;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
 A stage launched over several processes fails with RankFailedError, which names the error type of the
@@ -25,6 +27,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.distributed.launcher import RankFailedError
+from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.loop import NonFiniteLossError
@@ -35,6 +38,7 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (
     DataValidationError,
     DataSourceError,
     ResumeMismatchError,
+    OutputLockedError,
     NonFiniteLossError,
     CollapseError,
 )

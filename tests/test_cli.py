@@ -86,3 +86,39 @@ def test_prepare_data_on_the_shared_hh_pairs(tmp_path: Path) -> None:
     assert report["drops"]["empty_reply"]["count"] == 4
     assert report["drops"]["malformed_turns"]["count"] == 5
     assert report["split_counts"]["rm_val"] >= 300  # issue 3 reports RM accuracy on >= 300 pairs
+
+
+def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_output(tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    rows = [json.dumps(hh_pair(0)), json.dumps({"chosen": 3, "rejected": "x"}), json.dumps({"question": "hi"})]
+    rows += [json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"}) for _ in range(8)]
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "prepared"
+    result = rlhf("prepare-data", "-c", str(TINY), "--data", str(data), "--out", str(out))
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert "90.9% of rows were dropped, more than max_drop_fraction=90.0%" in line
+    assert (
+        "first dropped rows: identical_replies: bad.jsonl line 4 (chosen and rejected replies are identical), "
+        "bad.jsonl line 5 (chosen and rejected replies are identical), bad.jsonl line 6 (chosen and rejected "
+        "replies are identical); missing_field: bad.jsonl line 3 (row has none of the fields "
+        "prompt/chosen/rejected (keys: ['question'])); wrong_type: bad.jsonl line 2 (field 'chosen' is a int, "
+        "expected a string)"
+    ) in line
+    failed = tmp_path / "prepared.failed_report.json"
+    assert line.endswith(f"every drop is in {failed}")
+    report = json.loads(failed.read_text())
+    assert report["rows_read"] == 11 and report["pairs_kept"] == 1
+    assert [example["line"] for example in report["drops"]["identical_replies"]["examples"]] == [4, 5, 6, 7, 8]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["raw/pairs", "./pairs", "a/b/pairs"])
+def test_a_missing_local_path_is_named_and_not_looked_up_on_the_hub(tmp_path: Path, where: str) -> None:
+    (tmp_path / "raw").mkdir()
+    out = tmp_path / "out"
+    params = str(ROOT / "params.yaml")
+    result = rlhf("prepare-data", "--params", params, "-c", str(TINY), "--data", where, "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 1
+    assert f"input not found: {where.removeprefix('./')} (a local path, so it was not looked up" in result.stderr
+    assert "Hub could not be reached" not in result.stderr

@@ -130,3 +130,55 @@ def test_section_hash_changes_only_with_its_section() -> None:
     b = load_config(PARAMS, overrides=["ppo.kl_coef=0.02"])
     assert a.section_hash("sft") == b.section_hash("sft")
     assert a.section_hash("ppo") != b.section_hash("ppo")
+
+
+def test_a_key_given_twice_in_an_overlay_is_refused_with_file_and_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys, so the first `sft:` section would be lost silently."""
+    overlay = write(tmp_path, "sft:\n  lr: 0.001\nreward:\n  lr: 0.002\nsft:\n  max_steps: 2\n")
+    with pytest.raises(ConfigError, match=rf"{overlay}: line 5: duplicate key 'sft' \(first given on line 1\)"):
+        load_config(PARAMS, overlays=[overlay])
+    nested = write(tmp_path, "ppo:\n  steps: 3\n  rollout:\n    max_new_tokens: 8\n  steps: 4\n")
+    with pytest.raises(ConfigError, match="line 5: duplicate key 'steps'"):
+        load_config(PARAMS, overlays=[nested])
+    with pytest.raises(ConfigError, match="override 'sft={lr: 1, lr: 2}': line 1: duplicate key 'lr'"):
+        parse_override("sft={lr: 1, lr: 2}")
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    overlay = write(tmp_path, "base: &shared\n  lr: 0.001\nsft:\n  <<: *shared\n  max_steps: 2\n")
+    assert yaml.safe_load(overlay.read_text())["sft"] == {"lr": 0.001, "max_steps": 2}
+    config = load_config(PARAMS, overlays=[write(tmp_path, "sft:\n  <<: {lr: 0.001}\n  max_steps: 2\n")])
+    assert (config.sft.lr, config.sft.max_steps) == (0.001, 2)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sft.max_steps=true", "sft.max_steps: expected an integer (null turns it off), got the boolean true"),
+        ("seed=false", "seed: expected an integer, got the boolean false"),
+        ("sft.lr=true", "sft.lr: expected a number, got the boolean true"),
+        ("distributed.zero_stage=true", "distributed.zero_stage: expected an integer, got the boolean true"),
+        ("ppo.rollout.max_new_tokens=true", "ppo.rollout.max_new_tokens: expected an integer, got the boolean true"),
+        ("sft.skip=1", "sft.skip: expected true or false, got 1"),
+        ("sft.lora.enabled=0", "sft.lora.enabled: expected true or false, got 0"),
+        ("sft.skip='yes'", "sft.skip: expected true or false, got 'yes'"),
+    ],
+)
+def test_booleans_and_numbers_are_not_interchangeable(override: str, message: str) -> None:
+    """pydantic's lax mode would read `true` as 1 (one training step) and 1 as true."""
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=[override])
+    assert str(err.value) == f"invalid configuration: {message}"
+
+
+def test_a_mixup_is_reported_once_among_the_other_errors() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["sft.lr=true", "reward.epochs=0"])
+    text = str(err.value)
+    assert text.count("sft.lr") == 1 and "sft.lr: expected a number" in text and "reward.epochs" in text
+
+
+def test_true_false_null_and_numeric_strings_still_work() -> None:
+    config = load_config(PARAMS, overrides=["sft.skip=true", "sft.max_steps=null", "ppo.policy_lr=2e-4", "ppo.steps=3.0"])
+    assert config.sft.skip is True and config.sft.max_steps is None
+    assert config.ppo.policy_lr == 2e-4 and config.ppo.steps == 3

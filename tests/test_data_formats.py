@@ -116,7 +116,9 @@ SHARED = [("Human", "q1"), ("Assistant", "a1"), ("Human", "q2")]
     [
         ({"chosen": hh(("Human", "q"), ("Assistant", "a"))}, DropReason.MISSING_FIELD),
         ({"text": "hello"}, DropReason.MISSING_FIELD),
-        ({"chosen": 3, "rejected": "x"}, DropReason.MISSING_FIELD),
+        ({"chosen": 3, "rejected": "x"}, DropReason.WRONG_TYPE),
+        ({"prompt": 5, "chosen": "a", "rejected": "b"}, DropReason.WRONG_TYPE),
+        ({"prompt": "p", "chosen": {"text": "a"}, "rejected": "b"}, DropReason.WRONG_TYPE),
         ({"prompt": None, "chosen": "a", "rejected": "b"}, DropReason.MISSING_FIELD),
         ({"chosen": hh(*SHARED, ("Assistant", "")), "rejected": hh(*SHARED, ("Assistant", "b"))},
          DropReason.EMPTY_REPLY),

@@ -15,6 +15,8 @@ from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import (
     REPORT_FILE,
+    FailedDataReport,
+    failed_report_path,
     load_report,
     load_split,
     prepare_preference_data,
@@ -107,7 +109,7 @@ def test_every_kind_of_bad_row_in_one_jsonl_gives_exact_counts(tmp_path: Path) -
     assert report.rows_read == len(BAD_AND_GOOD_LINES)
     assert report.pairs_kept == 8
     assert set(report.drops) == {
-        "malformed_json", "missing_field", "empty_reply", "identical_replies", "prompt_mismatch",
+        "malformed_json", "missing_field", "wrong_type", "empty_reply", "identical_replies", "prompt_mismatch",
         "malformed_turns", "too_long", "duplicate_pair",
     }
     expected_lines: dict[str, list[int]] = {}
@@ -252,7 +254,8 @@ def test_failed_validation_leaves_previous_good_output_untouched(tmp_path: Path)
     with pytest.raises(DataValidationError, match=r"bad\.jsonl.*kept 1/6.*malformed_json=5"):
         prepare_preference_data([mostly_bad], out_dir, strict, word_lengths)
     assert {path.name: path.read_bytes() for path in out_dir.iterdir()} == before
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "prepared"]
+    beside = ["bad.jsonl", "good.jsonl", "prepared", "prepared.failed_report.json"]  # the refusal's report only
+    assert sorted(path.name for path in tmp_path.iterdir()) == beside
 
 
 def test_successful_rerun_replaces_old_output_completely(tmp_path: Path) -> None:
@@ -283,3 +286,27 @@ def test_load_split_refuses_an_incomplete_directory(tmp_path: Path) -> None:
     (tmp_path / "rm_train.parquet").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=REPORT_FILE):
         load_split(tmp_path, "rm_train")
+
+
+def test_a_refused_input_leaves_its_report_beside_the_untouched_previous_output(tmp_path: Path) -> None:
+    out_dir = tmp_path / "prepared"
+    good = write_jsonl(tmp_path / "good.jsonl", [json.dumps(good_hh(n)) for n in range(40)])
+    prepare_preference_data([good], out_dir, SETTINGS, word_lengths)
+    before = {path.name: path.read_bytes() for path in out_dir.iterdir()}
+    bad = write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"prompt": 5, "chosen": "a", "rejected": "b"})] * 3)
+
+    with pytest.raises(DataValidationError) as raised:
+        prepare_preference_data([bad], out_dir, SETTINGS, word_lengths)
+    failed = failed_report_path(out_dir)
+    assert failed == tmp_path / "prepared.failed_report.json"
+    assert str(raised.value).endswith(f"every drop is in {failed}")
+    assert "wrong_type: bad.jsonl line 1 (field 'prompt' is a int, expected a string or a list of messages)" in str(
+        raised.value
+    )
+    report = FailedDataReport.model_validate_json(failed.read_text())
+    assert report.error in str(raised.value) and report.rows_read == 3 and report.pairs_kept == 0
+    assert [example.line for example in report.drops["wrong_type"].examples] == [1, 2, 3]
+    assert {path.name: path.read_bytes() for path in out_dir.iterdir()} == before
+
+    prepare_preference_data([good], out_dir, SETTINGS, word_lengths)
+    assert not failed.exists()  # the refusal no longer describes the output

@@ -33,7 +33,7 @@ def test_jsonl_rows_carry_source_and_line_and_bad_lines_become_drops(tmp_path: P
         b"\n"  # a blank line is not a row, but still counts as a line
         b"{not json\n"
         b"[1, 2]\n"
-        b'"\xff\xfe"\n'
+        b'"just a string"\n'
         b'{"prompt": "d", "chosen": "e", "rejected": "f"}'  # no final newline
     )
     items = read_all(path)
@@ -113,6 +113,51 @@ def test_missing_unsupported_and_invalid_inputs_raise_naming_them(tmp_path: Path
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataSourceError, match=r"bad\.parquet is not a readable parquet file"):
         read_all(tmp_path / "bad.parquet")
+
+
+LATIN_ROWS = [{"prompt": f"Café numéro {index}?", "chosen": "Oui, très bien.", "rejected": "Non."} for index in range(4)]
+LATIN_TEXT = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in LATIN_ROWS)
+FIRST_ACCENT = LATIN_TEXT.encode("latin-1").index(b"\xe9")
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "offset", "looks_like"),
+    [
+        ("latin1.jsonl", LATIN_TEXT.encode("latin-1"), FIRST_ACCENT, "Windows-1252 / Latin-1"),
+        ("bom16.jsonl", LATIN_TEXT.encode("utf-16"), 0, "UTF-16-LE (it starts with that byte-order mark)"),
+        ("plain16.jsonl", LATIN_TEXT.encode("utf-16-be"), 0, "UTF-16-BE"),
+        ("wide32.json", json.dumps(LATIN_ROWS, ensure_ascii=False).encode("utf-32-le"), 1, "UTF-32-LE"),
+        ("sjis.jsonl", json.dumps({"prompt": "日本語の質問です", "chosen": "はい", "rejected": "いいえ"}, ensure_ascii=False)
+         .encode("shift_jis") + b"\n", 12, "a multi-byte legacy encoding"),
+    ],
+)
+def test_a_file_that_is_not_utf8_fails_naming_offset_and_encoding(
+    tmp_path: Path, name: str, data: bytes, offset: int, looks_like: str
+) -> None:
+    """Not a row-level drop: in a Latin-1 file only the accented rows fail to decode, so dropping them
+    would silently remove exactly the non-English rows."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(DataSourceError) as raised:
+        read_all(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path} is not UTF-8 text: ")
+    assert f" at byte offset {offset} (line 1); the file looks like {looks_like}" in message
+    assert "Convert it to UTF-8" in message
+
+
+def test_a_gz_file_that_is_not_utf8_names_the_offset_in_the_decompressed_data(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n" + LATIN_TEXT).encode("latin-1")))
+    with pytest.raises(DataSourceError, match=rf"byte 0xE9 is not valid UTF-8 at byte offset {FIRST_ACCENT + 1} "
+                                              r"of the decompressed data \(line 2\); the file looks like Windows-1252"):
+        read_all(path)
+
+
+def test_utf8_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(LATIN_TEXT.encode("utf-8-sig"))
+    assert [item.row for item in read_all(path)] == LATIN_ROWS
 
 
 def test_hub_failure_says_the_hub_could_not_be_reached_and_names_data_option(monkeypatch) -> None:

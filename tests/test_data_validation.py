@@ -73,3 +73,17 @@ def test_nothing_kept_always_fails() -> None:
     log.add(Drop(DropReason.MISSING_FIELD, "x", "a.json", 1))
     with pytest.raises(DataValidationError, match=r"no valid preference pairs remain; kept 0/1 .*missing_field=1"):
         check_drop_fraction(kept=0, drops=log, sources=["a.json"], max_drop_fraction=1.0)
+
+
+def test_the_failure_names_the_first_rows_of_each_reason_with_their_field() -> None:
+    log = DropLog()
+    for line in (3, 8, 9, 12):
+        log.add(Drop(DropReason.MISSING_FIELD, "missing field 'chosen'", "in.jsonl", line))
+    log.add(Drop(DropReason.WRONG_TYPE, "field 'rejected' is a int, expected a string", "in.jsonl", 5))
+    with pytest.raises(DataValidationError) as error:
+        check_drop_fraction(kept=1, drops=log, sources=["in.jsonl"], max_drop_fraction=0.5)
+    assert str(error.value).endswith(
+        "drops by reason: missing_field=4, wrong_type=1; first dropped rows: missing_field: in.jsonl line 3 "
+        "(missing field 'chosen'), in.jsonl line 8 (missing field 'chosen'), in.jsonl line 9 (missing field "
+        "'chosen'); wrong_type: in.jsonl line 5 (field 'rejected' is a int, expected a string)"
+    )

@@ -208,7 +208,11 @@ def test_a_file_with_bad_rows_is_rejected_and_changes_nothing(
     assert isinstance(result.exception, DataValidationError)
     assert str(result.exception) == (
         f"data validation failed for {bad}: no valid preference pairs remain; kept 0/4 rows; "
-        "drops by reason: empty_reply=1, identical_replies=1, malformed_json=1, missing_field=1"
+        "drops by reason: empty_reply=1, identical_replies=1, malformed_json=1, missing_field=1; first dropped rows: "
+        "empty_reply: bad.jsonl line 4 (chosen: the reply is empty); identical_replies: bad.jsonl line 2 (chosen "
+        "and rejected replies are identical); malformed_json: bad.jsonl line 1 (not valid JSON: Expecting property "
+        "name enclosed in double quotes: line 1 column 2 (char 1)); missing_field: bad.jsonl line 3 (row has none "
+        "of the fields prompt/chosen/rejected (keys: ['question']))"
     )
     assert [path.name for path in (repo / "data/raw").iterdir()] == ["first.jsonl"]
     assert (repo / "data/raw.dvc").read_bytes() == dvc_file_before

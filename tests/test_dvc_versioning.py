@@ -136,7 +136,10 @@ def test_a_file_preparation_would_refuse_is_refused_with_its_message(raw_dir: Pa
         check_new_file(new, raw_dir, SETTINGS, word_lengths)
     assert str(raised.value) == (
         f"data validation failed for {new}: 60.0% of rows were dropped, more than max_drop_fraction=50.0%; "
-        "kept 2/5 rows; drops by reason: identical_replies=1, malformed_json=1, missing_field=1"
+        "kept 2/5 rows; drops by reason: identical_replies=1, malformed_json=1, missing_field=1; first dropped rows: "
+        "identical_replies: bad.jsonl line 3 (chosen and rejected replies are identical); malformed_json: bad.jsonl "
+        "line 5 (not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+        "missing_field: bad.jsonl line 4 (row has none of the fields prompt/chosen/rejected (keys: ['question']))"
     )
 
 

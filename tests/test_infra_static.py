@@ -287,6 +287,40 @@ def test_env_file_is_git_ignored_and_the_example_is_not() -> None:
     assert not ignored("infra/.env.example")
 
 
+def test_env_files_are_git_ignored_wherever_they_are_and_examples_are_not() -> None:
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
+
+    assert all(ignored(path) for path in (".env", "infra/.env", "infra/.env.local", "deploy/prod.env"))
+    assert not any(ignored(path) for path in ("infra/.env.example", ".env.example", "deploy/prod.env.example"))
+
+
+def check_credentials(values: dict[str, str], raw_compose: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """infra/check-credentials.sh as the `check-credentials` service runs it, with infra/.env = `values`."""
+    service = interpolated(raw_compose["services"]["check-credentials"], values)
+    return subprocess.run(
+        ["sh", str(INFRA / "check-credentials.sh")],
+        env={"PATH": "/usr/bin:/bin", **service["environment"]},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_the_stack_refuses_to_start_with_the_examples_placeholder_credentials(
+    env_example: dict[str, str], raw_compose: dict[str, Any], services: dict[str, Any]
+) -> None:
+    placeholders = {key for key, value in env_example.items() if "change-me" in value}
+    assert {f"CHECK_{key}" for key in placeholders} == set(services["check-credentials"]["environment"])
+    refused = check_credentials(env_example, raw_compose)
+    assert refused.returncode == 1
+    assert set(refused.stderr.splitlines()[0].removesuffix(".").split(":")[1].split()) == placeholders
+    fresh = {key: f"fresh{index:032x}" if key in placeholders else value for index, (key, value) in enumerate(env_example.items())}
+    assert check_credentials(fresh, raw_compose).returncode == 0
+    for name in ("prefect-db", "mlflow-db", "minio"):  # every other service waits for these
+        assert services[name]["depends_on"]["check-credentials"] == {"condition": "service_completed_successfully"}
+
+
 def test_every_substituted_variable_is_in_the_env_example_and_none_is_unused(env_example: dict[str, str]) -> None:
     used = {match["name"] for match in VARIABLE.finditer(COMPOSE_FILE.read_text())}
     assert used == set(env_example)

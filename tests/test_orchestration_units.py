@@ -13,6 +13,8 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.distributed.launcher import RankFailedError
+from rlhf_core.output_lock import OutputLockedError
+from rlhf_core.stages.training_run import ResumeMismatchError
 from tasks.artifacts import read_samples, summary_markdown
 from tasks.caching import stage_cache_key
 from tasks.data_source import resolve_data_source
@@ -111,6 +113,9 @@ def test_cache_key_depends_on_own_sections_and_inputs_only(tiny_config) -> None:
         (DataValidationError("all rows dropped"), False),
         (DataSourceError("missing"), False),
         (ValueError("no held-out prompts"), False),
+        (ResumeMismatchError("checkpoints of other settings"), False),
+        (OutputLockedError("another process writes it"), False),
+        (RankFailedError("rank 0 failed", 0, "OutputLockedError", []), False),
         (RuntimeError("worker lost"), True),
         (MemoryError(), True),
         (OSError("disk hiccup"), True),

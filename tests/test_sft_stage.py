@@ -134,13 +134,14 @@ def test_rerun_resumes_from_the_last_checkpoint_without_recomputing_the_baseline
     assert history == [1, 2, 3, 4]
 
 
-def test_changed_settings_refuse_to_resume_and_leave_no_metrics(
+def test_changed_settings_refuse_to_resume_naming_the_change_and_keep_the_output_finished(
     first_run: tuple[Path, dict[str, float], RecordingLogger], data_dir: Path
 ) -> None:
     out, _, _ = first_run
-    with pytest.raises(ResumeMismatchError, match="other settings"):
+    finished = (out / "metrics.json").read_text()
+    with pytest.raises(ResumeMismatchError, match=r"other settings or inputs: sft\.lr: 0\.001 -> 0\.002\."):
         run_sft(tiny_config("sft.lr=0.002"), data_dir, out)
-    assert not (out / "metrics.json").exists()  # the stage no longer looks complete
+    assert (out / "metrics.json").read_text() == finished  # refused before touching the output
 
 
 def test_skip_hands_on_the_base_model_and_records_it(data_dir: Path, tmp_path: Path) -> None:

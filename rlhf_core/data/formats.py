@@ -144,7 +144,7 @@ def _required_str(row: Mapping[str, object], field: str) -> str:
     value = _required(row, field)
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.MISSING_FIELD, f"field '{field}' is a {type(value).__name__}, expected a string"
+            DropReason.WRONG_TYPE, f"field '{field}' is a {type(value).__name__}, expected a string"
         )
     return value
 
@@ -192,7 +192,7 @@ def _prompt_messages(value: object) -> tuple[Message, ...]:
         return tuple(_messages_from_list(value, "prompt"))
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.MISSING_FIELD,
+            DropReason.WRONG_TYPE,
             f"field 'prompt' is a {type(value).__name__}, expected a string or a list of messages",
         )
     if not value.startswith(("Human:", "\n\nHuman:")):
@@ -210,7 +210,7 @@ def _reply_field(row: Mapping[str, object], field: str) -> tuple[tuple[Message, 
         return _split_reply(_messages_from_list(value, field), field)
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.MISSING_FIELD,
+            DropReason.WRONG_TYPE,
             f"field '{field}' is a {type(value).__name__}, expected a string or a list of messages",
         )
     if not value.strip():

@@ -2,7 +2,9 @@
 
 `prepare_preference_data` reads everything and validates it before it creates anything on disk, then
 writes the output directory atomically (rlhf_core.atomic.atomic_directory), so a failed run leaves no output and
-never touches the previous good one. Output files:
+never touches the previous good one. Input refused as a whole (nothing valid, or too much dropped) leaves
+one file instead, beside the output directory: `<out_dir>.failed_report.json`, the drop counts with the
+first rows of each reason, so the failure can be read (a later successful run removes it). Output files:
 
     rm_train.parquet, rm_val.parquet, eval.parquet,  pairs: pair_id, prompt_id, prompt, chosen,
     ppo_pairs.parquet                                rejected, source, line
@@ -29,12 +31,13 @@ from pydantic import BaseModel
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.formats import detect_format, parse_row
-from rlhf_core.atomic import atomic_directory
+from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.data.io import PROMPT_TYPE, read_parquet, write_parquet
 from rlhf_core.data.readers import OpenedSource, RawRow, Source, open_source
 from rlhf_core.data.records import Drop, DropReason, Message, PpoPrompt, PreferencePair, SftExample
 from rlhf_core.data.splits import SplitConfig, Splits, split_pairs
 from rlhf_core.data.validation import (
+    DataValidationError,
     DropLog,
     DuplicateFilter,
     TokenLengthFn,
@@ -45,6 +48,7 @@ from rlhf_core.data.validation import (
 
 REPORT_FILE = "data_report.json"
 METRICS_FILE = "metrics.json"
+FAILED_REPORT_SUFFIX = ".failed_report.json"
 PairSplitName = Literal["rm_train", "rm_val", "eval", "ppo_pairs"]
 PromptSplitName = Literal["ppo_prompts", "ppo_val_prompts"]
 SplitName = Literal["rm_train", "rm_val", "eval", "sft", "ppo_prompts", "ppo_val_prompts", "ppo_pairs"]
@@ -110,6 +114,20 @@ class SourceSummary(BaseModel):
     formats: dict[str, int]
 
 
+class FailedDataReport(BaseModel):
+    """What a refused input held: why it was refused, and what data_report.json would have said of it
+    up to the split (saved as `<out_dir>.failed_report.json`)."""
+
+    error: str
+    sources: list[SourceSummary]
+    input_sha256: str
+    rows_read: int
+    pairs_kept: int
+    formats: dict[str, int]
+    drops: dict[str, DropSummary]
+    settings: DataConfig
+
+
 class DataReport(BaseModel):
     """What was read, kept, dropped (and why), and written; saved as data_report.json."""
 
@@ -165,22 +183,49 @@ def prepare_preference_data(
     """Prepare split preference datasets from local files and/or Hub datasets into `out_dir`.
 
     Raises DataSourceError (an input cannot be read) or DataValidationError (too much was dropped)
-    before anything is written; `out_dir` is replaced only by a complete new output.
+    before `out_dir` is touched; `out_dir` is replaced only by a complete new output. A
+    DataValidationError names the failed report (`failed_report_path`) it wrote first.
     """
+    out_dir = Path(out_dir)
     collected = _Collected()
     for source in sources:
         _collect_source(open_source(source), settings, token_length, collected)
-    check_drop_fraction(
-        len(collected.pairs), collected.drops, [summary.name for summary in collected.sources],
-        settings.max_drop_fraction,
-    )
+    try:
+        check_drop_fraction(
+            len(collected.pairs), collected.drops, [summary.name for summary in collected.sources],
+            settings.max_drop_fraction,
+        )
+    except DataValidationError as error:
+        failed = _write_failed_report(out_dir, collected, settings, str(error))
+        raise DataValidationError(f"{error}; every drop is in {failed}") from None
     splits = split_pairs(collected.pairs, split_config(settings))
     report = _build_report(collected, splits, settings)
-    with atomic_directory(Path(out_dir)) as temp_dir:
+    with atomic_directory(out_dir) as temp_dir:
         _write_splits(temp_dir, splits)
         (temp_dir / METRICS_FILE).write_text(json.dumps(report.metrics(), indent=2), encoding="utf-8")
         (temp_dir / REPORT_FILE).write_text(report.model_dump_json(indent=2), encoding="utf-8")
+    failed_report_path(out_dir).unlink(missing_ok=True)  # an earlier refusal no longer describes this output
     return report
+
+
+def failed_report_path(out_dir: Path) -> Path:
+    """`<out_dir>.failed_report.json`: beside the output directory, since a file inside would make a
+    previous complete output look changed."""
+    return out_dir.with_name(out_dir.name + FAILED_REPORT_SUFFIX)
+
+
+def _write_failed_report(out_dir: Path, collected: _Collected, settings: DataConfig, error: str) -> Path:
+    report = FailedDataReport(
+        error=error,
+        sources=collected.sources,
+        input_sha256=_input_sha256(collected),
+        rows_read=sum(summary.rows for summary in collected.sources),
+        pairs_kept=len(collected.pairs),
+        formats=_formats(collected),
+        drops=_drop_summaries(collected),
+        settings=settings,
+    )
+    return atomic_write_text(failed_report_path(out_dir), report.model_dump_json(indent=2) + "\n")
 
 
 @overload
@@ -276,11 +321,15 @@ def _length_stats(values: list[int]) -> LengthStats:
     )
 
 
-def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -> DataReport:
+def _formats(collected: _Collected) -> dict[str, int]:
     formats: Counter[str] = Counter()
     for summary in collected.sources:
         formats.update(summary.formats)
-    drops = {
+    return dict(formats)
+
+
+def _drop_summaries(collected: _Collected) -> dict[str, DropSummary]:
+    return {
         reason.value: DropSummary(
             count=collected.drops.counts.get(reason, 0),
             examples=[
@@ -290,14 +339,21 @@ def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -
         )
         for reason in DropReason
     }
+
+
+def _input_sha256(collected: _Collected) -> str:
     source_hashes = "\n".join(summary.sha256 for summary in collected.sources)
+    return hashlib.sha256(source_hashes.encode("utf-8")).hexdigest()
+
+
+def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -> DataReport:
     return DataReport(
         sources=collected.sources,
-        input_sha256=hashlib.sha256(source_hashes.encode("utf-8")).hexdigest(),
+        input_sha256=_input_sha256(collected),
         rows_read=sum(summary.rows for summary in collected.sources),
         pairs_kept=len(collected.pairs),
-        formats=dict(formats),
-        drops=drops,
+        formats=_formats(collected),
+        drops=_drop_summaries(collected),
         split_counts={
             "rm_train": len(splits.rm_train),
             "rm_val": len(splits.rm_val),

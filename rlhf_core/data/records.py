@@ -96,6 +96,7 @@ class DropReason(str, Enum):
 
     MALFORMED_JSON = "malformed_json"
     MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
     EMPTY_REPLY = "empty_reply"
     IDENTICAL_REPLIES = "identical_replies"
     PROMPT_MISMATCH = "prompt_mismatch"

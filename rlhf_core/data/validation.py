@@ -14,6 +14,7 @@ from typing import NamedTuple
 from rlhf_core.data.records import Drop, DropReason, PreferencePair
 
 EXAMPLES_PER_REASON = 5
+EXAMPLES_IN_MESSAGE = 3  # per reason, in the error message (the report holds EXAMPLES_PER_REASON)
 
 
 class TokenLengths(NamedTuple):
@@ -96,7 +97,8 @@ def check_drop_fraction(kept: int, drops: DropLog, sources: Sequence[str], max_d
     """Raise DataValidationError when no pair is left or more than max_drop_fraction of rows were dropped.
 
     A high drop rate almost always means the wrong file or a format the parser misreads; training on the
-    few rows that happened to parse would hide that, so the run stops and says what was dropped and why.
+    few rows that happened to parse would hide that, so the run stops and says what was dropped and why,
+    with the first few rows of each reason (file, line, field), so the user can look at them at once.
     """
     total = kept + drops.total
     dropped_fraction = drops.total / total if total else 1.0
@@ -106,7 +108,14 @@ def check_drop_fraction(kept: int, drops: DropLog, sources: Sequence[str], max_d
     problem = "no valid preference pairs remain" if kept == 0 else (
         f"{dropped_fraction:.1%} of rows were dropped, more than max_drop_fraction={max_drop_fraction:.1%}"
     )
+    examples = "; ".join(_first_drops(reason, drops.examples[reason]) for reason in sorted(drops.examples))
     raise DataValidationError(
         f"data validation failed for {', '.join(sources)}: {problem}; kept {kept}/{total} rows; "
-        f"drops by reason: {by_reason or 'none'}"
+        f"drops by reason: {by_reason or 'none'}" + (f"; first dropped rows: {examples}" if examples else "")
     )
+
+
+def _first_drops(reason: DropReason, examples: Sequence[Drop]) -> str:
+    """`reason: a.jsonl line 3 (missing field 'chosen'), ...` for the first few drops of one reason."""
+    rows = ", ".join(f"{drop.source} line {drop.line} ({drop.detail})" for drop in examples[:EXAMPLES_IN_MESSAGE])
+    return f"{reason.value}: {rows}"

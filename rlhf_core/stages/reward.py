@@ -60,10 +60,14 @@ from rlhf_core.stages.training_run import (
     CHECKPOINTS_DIR,
     HISTORY_FILE,
     MODEL_DIR,
+    RunInputs,
     RunState,
+    check_resumable,
+    file_sha256,
     loop_config,
     mark_incomplete,
-    run_fingerprint,
+    record_run_inputs,
+    stage_lock,
     stage_logger,
     stage_settings,
     training_device,
@@ -83,26 +87,27 @@ Metrics = dict[str, float]
 
 def initial_language_model(
     config: Config, sft_dir: Path | None, device: torch.device
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list[Path]]:
-    """The causal LM the reward model starts from, its tokenizer, and the files that identify it."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, str]]:
+    """The causal LM the reward model starts from, its tokenizer, and the sha256 that identifies it
+    (of the SFT output's metrics.json; the base model is identified by the `model` settings)."""
     if config.reward.init_from == "base":
         model, tokenizer = load_base_model(config.model, device)
-        return model, tokenizer, []
+        return model, tokenizer, {}
     if sft_dir is None:
         raise ValueError("reward.init_from is 'sft' but no SFT output directory was given")
     read_metrics(sft_dir)  # refuses an SFT output that has not finished
     model, tokenizer = load_causal_lm(sft_dir / MODEL_DIR, dtype=DTYPES[config.model.dtype], device=device)
-    return model, tokenizer, [sft_dir / METRICS_FILE]
+    return model, tokenizer, {"SFT output": file_sha256(sft_dir / METRICS_FILE)}
 
 
 def initial_reward_model(
     config: Config, sft_dir: Path | None, device: torch.device
-) -> tuple[RewardModel, PreTrainedTokenizerBase, list[Path]]:
+) -> tuple[RewardModel, PreTrainedTokenizerBase, dict[str, str]]:
     """The initial LM's backbone with a fresh scalar head (and its LM head when beta_rm > 0), frozen below
     the top `trainable_top_layers` blocks (or, with `reward.lora`, frozen but for adapters in those blocks
-    and the scalar head); its tokenizer; the files identifying the initial LM."""
+    and the scalar head); its tokenizer; the hashes identifying the initial LM."""
     settings = config.reward
-    lm, tokenizer, init_files = initial_language_model(config, sft_dir, device)
+    lm, tokenizer, init_hashes = initial_language_model(config, sft_dir, device)
     model = RewardModel.from_causal_lm(
         lm, end_of_turn_id(tokenizer), keep_lm_head=settings.beta_rm > 0, seed=config.seed
     ).to(device)
@@ -111,7 +116,7 @@ def initial_reward_model(
     )
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    return model, tokenizer, init_files
+    return model, tokenizer, init_hashes
 
 
 def frozen_layer_cache(model: RewardModel, settings: RewardConfig) -> FrozenLowerCache | None:
@@ -203,18 +208,29 @@ def run_train_rm(
 
     `train_split` is rm_train for the reward model PPO optimises against, ppo_pairs for the independent
     judge (rlhf_core/stages/judge_reward.py); out_dir/training_data.json records which it was.
+    Holds the output lock for the whole stage; the inputs and the checkpoints' run record are checked
+    before `out_dir` is touched, so a rerun that fails there leaves a finished output finished.
     """
+    with stage_lock(out_dir, "reward"):
+        sft_dir = Path(sft_dir) if sft_dir is not None else None
+        return _run_train_rm(config, Path(data_dir), sft_dir, Path(out_dir), logger, train_split)
+
+
+def _run_train_rm(
+    config: Config,
+    data_dir: Path,
+    sft_dir: Path | None,
+    out_dir: Path,
+    logger: MetricsLogger | None,
+    train_split: TrainSplit,
+) -> StageResult:
     started = time.monotonic()
     settings = config.reward
     context = stage_context(config.distributed)
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
-    sft_dir = Path(sft_dir) if sft_dir is not None else None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mark_incomplete(out_dir)
     # Read the data first: a wrong path fails before any model loads.
     train_records, val_records = load_split(data_dir, train_split), load_split(data_dir, "rm_val")
     device = training_device()
-    model, tokenizer, init_files = initial_reward_model(config, sft_dir, device)
+    model, tokenizer, init_hashes = initial_reward_model(config, sft_dir, device)
     pad_id = tokenizer.pad_token_id
     train_pairs = encode_pairs(tokenizer, train_records, settings.max_length)
     val_pairs = encode_pairs(tokenizer, val_records, settings.max_length)
@@ -229,12 +245,16 @@ def run_train_rm(
     with_lm = settings.beta_rm > 0
     model_dir = out_dir / MODEL_DIR
     checkpoint_dir = out_dir / CHECKPOINTS_DIR
-    run_state = RunState(
-        run_fingerprint(
-            {**stage_settings(config, "reward"), "train_split": train_split}, [data_dir / REPORT_FILE, *init_files]
-        ),
-        checkpoint_dir,
+    inputs = RunInputs(
+        {**stage_settings(config, "reward"), "train_split": train_split},
+        {"data": file_sha256(data_dir / REPORT_FILE), **init_hashes},
     )
+    check_resumable(checkpoint_dir, inputs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out_dir)  # from here on this run writes: the output is not complete until it is done
+    if context.is_main:
+        record_run_inputs(checkpoint_dir, inputs)
+    run_state = RunState(inputs.fingerprint, checkpoint_dir)
 
     def collate(indices: list[int]) -> PairBatch:
         return collate_pairs([train_pairs.pairs[i] for i in indices], indices, pad_id).to(device)

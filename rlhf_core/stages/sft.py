@@ -8,8 +8,9 @@ the reply tokens of each whole optimizer step. The schedule is linear warmup, th
 `sft.skip: true` hands the base model on untrained (SmolLM2-Instruct already is a chat model): model/
 is the base model and metrics.json records `skipped: 1`.
 
-Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, checkpoints/ (a rerun resumes from
-the newest), metrics.json (written last).
+Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, checkpoints/ (a rerun with the same
+settings and data resumes from the newest; `run_inputs.json` there records them), metrics.json (written
+last).
 
 Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs this function; each
 trains its shard of every step (`sft.micro_batch_size * grad_accum_steps` sequences per rank), and only
@@ -46,10 +47,14 @@ from rlhf_core.stages.training_run import (
     CHECKPOINTS_DIR,
     HISTORY_FILE,
     MODEL_DIR,
+    RunInputs,
     RunState,
+    check_resumable,
+    file_sha256,
     loop_config,
     mark_incomplete,
-    run_fingerprint,
+    record_run_inputs,
+    stage_lock,
     stage_logger,
     stage_settings,
     training_device,
@@ -132,15 +137,24 @@ def _hand_on_base_model(
 def run_sft(
     config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None = None
 ) -> StageResult:
-    """Fine-tune the base model on the `sft` split into `out_dir` (resuming from its checkpoints)."""
+    """Fine-tune the base model on the `sft` split into `out_dir` (resuming from its checkpoints).
+
+    Holds the output lock for the whole stage. The data and the checkpoints' run record are checked
+    before `out_dir` is touched, so a rerun that fails there leaves a finished output finished.
+    """
+    with stage_lock(out_dir, "sft"):
+        return _run_sft(config, Path(data_dir), Path(out_dir), logger)
+
+
+def _run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None) -> StageResult:
     started = time.monotonic()
     settings = config.sft
     context = stage_context(config.distributed)
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mark_incomplete(out_dir)
     examples = load_split(data_dir, "sft")  # read the data first: a wrong path fails before any model loads
     pairs = heldout_pairs(data_dir)
+    inputs = RunInputs(stage_settings(config, "sft"), {"data": file_sha256(data_dir / REPORT_FILE)})
+    if not settings.skip:
+        check_resumable(out_dir / CHECKPOINTS_DIR, inputs)
     model, tokenizer = load_base_model(config.model, training_device())
     pad_id = tokenizer.pad_token_id
     train_set = encode_examples(tokenizer, [(e.prompt, e.response) for e in examples], settings.max_length)
@@ -152,11 +166,14 @@ def run_sft(
         "examples_dropped_too_long": float(len(train_set.too_long) + len(heldout.too_long)),
     }
 
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out_dir)  # from here on this run writes: the output is not complete until it is done
     if settings.skip:
         metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.bf16, context)
     else:
-        fingerprint = run_fingerprint(stage_settings(config, "sft"), [data_dir / REPORT_FILE])
-        run_state = RunState(fingerprint, out_dir / CHECKPOINTS_DIR)
+        if context.is_main:
+            record_run_inputs(out_dir / CHECKPOINTS_DIR, inputs)
+        run_state = RunState(inputs.fingerprint, out_dir / CHECKPOINTS_DIR)
         metrics = _train(config, model, tokenizer, train_set, evaluate, run_state, out_dir, logger, context)
     metrics.update(counts)
     metrics["wall_seconds"] = time.monotonic() - started

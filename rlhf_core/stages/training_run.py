@@ -1,10 +1,15 @@
 """What the training stages (SFT, reward model) share around the loop: logging, resume guard, settings.
 
 * `ProgressLogger` adds the contract's `progress` metric (step / total, in [0, 1]) to every logged step.
-* `RunState` is the loop's extra checkpoint state for a stage: a fingerprint of everything the run
-  depends on (its config sections, the prepared data, the model it starts from), so that rerunning with
-  different settings refuses to resume a checkpoint made with others, and figures measured before the
-  first step (e.g. the base model's perplexity), so a resumed run does not recompute them.
+* `RunInputs` is everything a run depends on (its config sections, the seed, the prepared data, the
+  model it starts from). `check_resumable` compares it with `checkpoints/run_inputs.json`, the record
+  of the run that made the checkpoints, before a rerun touches the output: a rerun with other settings
+  would otherwise continue someone else's run and label the result with its own settings. A mismatch
+  names what differs; `discard_checkpoints` (`--restart`) is the explicit way to start over.
+* `RunState` is the loop's extra checkpoint state for a stage: the same fingerprint inside every
+  checkpoint, and figures measured before the first step (e.g. the base model's perplexity), so a
+  resumed run does not recompute them.
+* `stage_lock`: the output lock (rlhf_core/output_lock.py) as the rank that writes the outputs holds it.
 * `loop_config` maps a stage's config section onto the loop's settings.
 """
 
@@ -12,21 +17,33 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import shutil
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config, TrainingConfig
+from rlhf_core.distributed.context import rank_context
+from rlhf_core.output_lock import output_lock
 from rlhf_core.stages.result import METRICS_FILE
+from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger, RewindableLogger
-from rlhf_core.training.loop import LoopConfig
+from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import ScheduleName
 
 HISTORY_FILE = "history.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"
+RUN_INPUTS_FILE = "run_inputs.json"
+MAX_LISTED_DIFFERENCES = 10
+HOW_TO_PROCEED = (
+    "to keep that output, run with another --out; to train from scratch in it, rerun with --restart "
+    "(which deletes those checkpoints)"
+)
 
 
 class ProgressLogger:
@@ -62,6 +79,97 @@ class ResumeMismatchError(RuntimeError):
     """The checkpoints in an output directory were made by a run with other settings or inputs."""
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What a training run depends on: its settings, and the sha256 of each input it reads, by name."""
+
+    settings: dict[str, Any]
+    inputs: dict[str, str]
+
+    def record(self) -> dict[str, Any]:
+        """The JSON form, as `checkpoints/run_inputs.json` holds it."""
+        return json.loads(json.dumps({"settings": self.settings, "inputs": self.inputs}, default=str))
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()
+
+    def differences(self, recorded: dict[str, Any]) -> list[str]:
+        """What differs from a recorded run: `key.path: old -> new` per setting, then each changed input."""
+        old_settings = _flatten(recorded.get("settings", {}))
+        new_settings = _flatten(self.record()["settings"])
+        changed = [
+            f"{key}: {old_settings.get(key, '(unset)')!r} -> {new_settings.get(key, '(unset)')!r}"
+            for key in sorted(old_settings.keys() | new_settings.keys())
+            if old_settings.get(key) != new_settings.get(key)
+        ]
+        old_inputs = recorded.get("inputs", {})
+        changed += [
+            f"{name} changed (sha256 {str(old_inputs.get(name))[:12]} -> {digest[:12]})"
+            for name, digest in self.inputs.items()
+            if old_inputs.get(name) != digest
+        ]
+        return changed
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as `{"a.b": value}`."""
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def check_resumable(checkpoint_dir: Path, inputs: RunInputs) -> None:
+    """Raise `ResumeMismatchError`, before anything is written, when the checkpoints in `checkpoint_dir`
+    were made by a run with other inputs (or by a version that did not record them)."""
+    if latest_checkpoint(checkpoint_dir) is None:
+        return  # nothing to resume: the run starts fresh and records its own inputs
+    record = Path(checkpoint_dir) / RUN_INPUTS_FILE
+    if not record.is_file():
+        raise ResumeMismatchError(
+            f"the checkpoints in {checkpoint_dir} do not record the settings and inputs that made them "
+            f"(no {RUN_INPUTS_FILE}: an older version wrote them), so resuming them could mislabel the "
+            f"result; {HOW_TO_PROCEED}"
+        )
+    differences = inputs.differences(json.loads(record.read_text(encoding="utf-8")))
+    if differences:
+        listed = "; ".join(differences[:MAX_LISTED_DIFFERENCES])
+        more = len(differences) - MAX_LISTED_DIFFERENCES
+        raise ResumeMismatchError(
+            f"the checkpoints in {checkpoint_dir} come from a run with other settings or inputs: {listed}"
+            f"{f' (and {more} more)' if more > 0 else ''}. Rerun with the original settings to resume it; "
+            f"{HOW_TO_PROCEED}"
+        )
+
+
+def record_run_inputs(checkpoint_dir: Path, inputs: RunInputs) -> None:
+    """Write `checkpoints/run_inputs.json` as the run starts writing (before its first checkpoint)."""
+    atomic_write_text(Path(checkpoint_dir) / RUN_INPUTS_FILE, json.dumps(inputs.record(), indent=2) + "\n")
+
+
+def discard_checkpoints(out_dir: Path, stage: str) -> None:
+    """`--restart`: delete the checkpoints of `out_dir` (under its lock), so the next run starts fresh."""
+    with output_lock(Path(out_dir), stage):
+        shutil.rmtree(Path(out_dir) / CHECKPOINTS_DIR, ignore_errors=True)
+
+
+def stage_lock(out_dir: Path, stage: str) -> AbstractContextManager[object]:
+    """The lock of `out_dir` for the whole stage, held by rank 0, the rank that writes the outputs.
+
+    The other ranks of a launched stage write nothing there; they run under rank 0's lock.
+    """
+    return output_lock(Path(out_dir), stage) if rank_context().is_main else nullcontext()
+
+
 class RunState:
     """Extra checkpoint state of a stage: its input fingerprint and figures recorded during the run."""
 
@@ -79,26 +187,20 @@ class RunState:
             raise ResumeMismatchError(
                 f"the checkpoints in {self.checkpoint_dir} come from a run with other settings or inputs "
                 "(config section, model, seed or data changed); rerun with the original settings, or "
-                "delete that directory (or choose another --out) to start over"
+                f"{HOW_TO_PROCEED}"
             )
         self.values = dict(state["values"])
 
 
-def run_fingerprint(settings: dict[str, Any], files: Sequence[Path]) -> str:
-    """sha256 of the settings (as sorted JSON) and of the bytes of each input file."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    for path in files:
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()
-
-
 def stage_settings(config: Config, section: str) -> dict[str, Any]:
-    """The config a training stage depends on: its own section, the base model, the seed, precision."""
+    """The config a training stage depends on: its own section, the base model, the seed, precision, and
+    the number of ranks (batch sizes are per rank, so it sets the global batch)."""
     return {
         section: getattr(config, section).model_dump(mode="json"),
         "model": config.model.model_dump(mode="json"),
         "seed": config.seed,
         "bf16": config.distributed.bf16,
+        "world_size": config.distributed.world_size,
     }
 
 
