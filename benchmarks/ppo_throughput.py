@@ -14,7 +14,7 @@ from the base model instead of SFT and reward-model outputs (throughput does not
 weights): policy and reference from `model.kind`, the reward model as that backbone with a fresh
 scalar head, the critic from the reward model (`ppo.critic_init: reward`, or SFT + a fresh head).
 
-Fixed response length: the trainer is given no stop token (`trainer.stop_ids = []`), so every
+Fixed response length: the trainer is given no stop token (`trainer.maker.stop_ids = []`), so every
 response runs to exactly `--response-length` tokens, and the run fails if one does not; TRL's side
 forces the same, so both generate batch x response-length tokens per iteration. Every prompt is
 exactly `--prompt-length` tokens (`workload.py`). Not measured: validation, checkpoints, the
@@ -53,7 +53,8 @@ from rlhf_core.models.base import DTYPES, load_base_model, load_base_tokenizer, 
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.rollout import RewardModelScorer
-from rlhf_core.ppo.trainer import PPOData, PPOModels, PPOTrainer
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 from rlhf_core.training.loop import seed_everything
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -262,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     models, tokenizer = build_models(config, device)
     data = PPOData(
         prompts=[prompt.messages for prompt in prompts],
-        val_prompts=[prompts[0].messages],  # required by the trainer; validation is not benchmarked
+        val_prompts=[prompts[0].messages, prompts[1].messages],  # the trainer needs 2; validation is not benchmarked
         ptx_examples=[(prompt.messages, prompt.reply) for prompt in prompts],
     )
     trainer = PPOTrainer(models, tokenizer, data, ppo, config.seed, config.distributed.bf16)
-    trainer.stop_ids = []  # no stop token: every response is exactly max_new_tokens long (module doc)
+    trainer.maker.stop_ids = []  # no stop token: every response is exactly max_new_tokens long (module doc)
     seed_everything(config.seed)
     expected_tokens = ppo.rollout_batch_size * ppo.rollout.max_new_tokens
     measurement = measure(trainer, args.warmup_iterations, args.iterations, device, expected_tokens)

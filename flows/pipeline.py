@@ -12,10 +12,11 @@ config overlays and overrides, the data source, and the stages to run. The flow
 4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
 5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
    earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`). The evaluate stage
-   compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (the reward
-   model by default, in-sample: the one PPO optimised against; with `evaluation.judge_rm: independent`
-   the judge-reward stage trains a second reward model on the PPO-prompt split to judge with instead);
-   register tags the policy version with that evaluation and with the stage outputs it came from,
+   compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (by default
+   a reward model: with `evaluation.judge_rm: independent`, the default, the judge-reward stage trains
+   a second reward model on the PPO-prompt split to judge with; `in_sample` judges with the one PPO
+   optimised against); register registers the reward model, that judge and the policy, and tags the
+   policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, so the flow run is Failed with it.
 
@@ -220,6 +221,7 @@ def run_stages(
             {**lineage, **made_from},
             evaluation_tags(outputs["evaluate"]),
             context,
+            judge_output=outputs.get("judge-reward"),
         )
     return outputs, registered
 

@@ -5,9 +5,11 @@ Mode `evaluate` (the default):
    challenger that already is the champion leaves everything as it is;
 2. evaluate the challenger (A) against the champion (B), or, before the first promotion, against the
    SFT model it was trained from, on the held-out prompts of the data it was trained on (both named by
-   its lineage tags, so this runs where the pipeline ran), judged as `evaluation.judge` says. The
-   evaluation is the pipeline's evaluate task, cached on content, in an MLflow run nested under this
-   flow's own parent run;
+   its lineage tags, so this runs where the pipeline ran), judged by the LLM judge when
+   `evaluation.judge` is llm, else by the independent judge reward model registered with the
+   challenger, unless `promotion.judge_reward_model` names another (or `in_sample`, flagged); see
+   tasks/promotion.py. The evaluation is the pipeline's evaluate task, cached on content, in an MLflow
+   run nested under this flow's own parent run;
 3. apply the gate of `promotion` in params.yaml (tasks/promotion.py); a pass moves `champion` and tags
    the version with the decision and its evidence, a fail leaves the registry unchanged.
 `override` promotes whatever the gate says; it requires a `reason` (the form refuses it without one),
@@ -125,7 +127,9 @@ def evaluate_and_decide(
             context,
             names=(f"{candidates.model} version {candidates.challenger} (challenger)", inputs.baseline_name),
         )
-        result = decide_task(config, candidates, evaluation, inputs.baseline_name, tracking_uri, override_reason)
+        result = decide_task(
+            config, candidates, evaluation, inputs.baseline_name, inputs.judge_choice, tracking_uri, override_reason
+        )
     except BaseException as error:
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise

@@ -5,7 +5,8 @@
   stage tasks (tasks/stages.py) it is cached on content (the data, both models, the judge, the config
   sections it reads), holds this machine's training slot while it generates, and runs in a nested
   MLflow run. That run holds the figures of metrics.json as `final.*` metrics (win/tie/lose rates and
-  win minus loss with their intervals, lengths, alignment tax), the per-pair table (`pairs.json`, via
+  win minus loss with their intervals, the reward-model judge's mean score difference A - B with its
+  interval, lengths, alignment tax), the per-pair table (`pairs.json`, via
   `log_table`), the Figure-10 chart (`plots/win_rate.png`), report.md and report.json; the report is
   also a Prefect markdown artifact (`evaluate-report`).
 - `JudgeSpec`: which judge, and what pins it for the cache key: the reward model's content hash, or
@@ -14,7 +15,8 @@
 - `resolve_model_reference`: a directory stays as it is; an MLflow `models:/name@alias` or
   `models:/name/3` is downloaded once into a local directory in Hugging Face layout (the policy's
   weights and tokenizer; the reward model's directory), with the policy's reward record rebuilt from
-  its registry tags, so that the in-sample check works on registered models too.
+  its registry tags, so that the in-sample check works on registered models too, and the judge reward
+  model's training_data.json rebuilt from its tags, so that the report says what the judge was trained on.
 - `evaluation_tags` and `evaluation_summary`: what the registered version and `rlhf run` say of it.
 """
 
@@ -39,7 +41,8 @@ from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import Config
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.outputs import read_jsonl
-from rlhf_core.evaluation.report import EvaluationReport, Rate
+from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
+from rlhf_core.reward.training_data import write_training_data
 from rlhf_core.stages.evaluate import (
     GENERATIONS_FILE,
     PLOT_FILE,
@@ -52,7 +55,7 @@ from rlhf_core.stages.ppo import REWARD_RECORD_FILE
 from tasks.caching import StageCachePolicy
 from tasks.concurrency import training_slot
 from tasks.outputs import StageOutput, directory_sha256
-from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG
+from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG, training_data_from_tags
 from tasks.stages import STAGE_SECTIONS, STAGE_TASK_OPTIONS, StageContext, tracked_stage
 from tasks.tracking import resolve_tracking_uri
 
@@ -69,6 +72,9 @@ HEADLINE_FIGURES = (
     "win_minus_loss",
     "win_minus_loss_low",
     "win_minus_loss_high",
+    "score_diff_mean",
+    "score_diff_low",
+    "score_diff_high",
     "valid_pairs",
     "alignment_tax",
 )
@@ -91,6 +97,11 @@ class JudgeSpec(BaseModel):
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
+def llm_judge_spec(config: Config) -> JudgeSpec:
+    """The LLM judge of `evaluation.llm_model` (or RLHF_JUDGE_MODEL); its endpoint's variables must be set."""
+    return JudgeSpec(kind="llm", llm_model=LlmEndpoint.from_environment(config.evaluation.llm_model).model)
+
+
 def judge_spec(config: Config, reward: StageOutput) -> JudgeSpec:
     """The judge `evaluation.judge` names, with `reward` as the reward model of the rm judge (the pipeline
     passes the policy's reward model, or the independent judge reward model: `evaluation.judge_rm`).
@@ -101,7 +112,7 @@ def judge_spec(config: Config, reward: StageOutput) -> JudgeSpec:
     """
     judge = config.evaluation.judge
     if judge == "llm":
-        return JudgeSpec(kind="llm", llm_model=LlmEndpoint.from_environment(config.evaluation.llm_model).model)
+        return llm_judge_spec(config)
     if judge == "human":
         get_run_logger().warning(
             "evaluation.judge is human: people judge in the rlhf-human-eval flow; this evaluation uses the reward model"
@@ -206,8 +217,18 @@ def _percent(rate: Rate | None) -> str:
     return "n/a" if rate is None else f"{rate.rate:.1%}"
 
 
+def _score_diff_text(difference: ScoreDifference | None) -> str:
+    if difference is None:
+        return ""
+    return (
+        f"; mean score A - B {difference.mean:+.4g} "
+        f"(95% CI {difference.low:+.4g} to {difference.high:+.4g})"
+    )
+
+
 def evaluation_summary(output: StageOutput) -> list[str]:
-    """The lines `rlhf run` ends with: who judged, the rates, win minus loss with its interval, where to look."""
+    """The lines `rlhf run` ends with: who judged, the rates, win minus loss and the judge's mean score
+    difference with their intervals, where to look."""
     report = read_report(output)
     overall = report.overall
     judge = "reward model" if report.judge.kind == "rm" else f"LLM ({report.judge.name})"
@@ -219,6 +240,7 @@ def evaluation_summary(output: StageOutput) -> list[str]:
         (
             f"  {overall.valid} valid pairs of {overall.pairs}: A wins {_percent(overall.win)}, ties "
             f"{_percent(overall.tie)}, B wins {_percent(overall.lose)}; win - lose {interval}"
+            f"{_score_diff_text(report.score_diff)}"
         ),
         f"  report: {output.out_dir / REPORT_MD}; chart: {output.out_dir / PLOT_FILE}; MLflow run {output.mlflow_run_id}",
     ]
@@ -252,7 +274,10 @@ def download_version(
     The directory is named by the model, the version and a hash of the tracking URI and the version's
     content tag, so two registries never share one. A policy version that names its reward model
     (`rlhf.reward_model_version`) gets the reward record PPO wrote, rebuilt from that version's
-    content tag.
+    content tag. A version with `training_data.*` tags (only the judge reward model is registered with
+    them) gets its training_data.json back next to its weights, so the report says what the judge was
+    trained on; the file enters the download's hash, so the in-sample check cannot take the judge for
+    the reward model a policy was optimised against.
     """
     identity = f"{tracking_uri}\n{version.name}\n{version.version}\n{version.tags.get(CONTENT_TAG, '')}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
@@ -275,6 +300,9 @@ def download_version(
                     "sha256": reward.tags[CONTENT_TAG],
                 }
                 (temporary / REWARD_RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            training_data = training_data_from_tags(version.tags)
+            if training_data is not None:
+                write_training_data(temporary, training_data)
     return StageOutput(stage=REGISTRY_STAGE, out_dir=target, sha256=directory_sha256(target), model_dir=target)
 
 

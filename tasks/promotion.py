@@ -2,8 +2,18 @@
 
 The rlhf-promote flow (flows/promote.py) evaluates the `challenger` version of the policy against the
 `champion` version, or, while there is no champion yet, against the SFT model the challenger was
-trained from (named by its `lineage.sft.*` tags). Then it applies the gate of `promotion` in
-params.yaml:
+trained from (named by its `lineage.sft.*` tags), judged by (`promotion_judge`):
+
+- the LLM judge, when `evaluation.judge` is `llm` (an OpenAI-compatible endpoint);
+- else, with `promotion.judge_reward_model` null (the default), the independent judge reward model the
+  pipeline registered with the challenger (its `lineage.judge_model` / `lineage.judge_version` tags),
+  trained on a split disjoint from the policy reward model's; a challenger without one is an error that
+  says how to get or name a judge, never a silent fallback to a biased one;
+- `in_sample`: the reward model the challenger was optimised against, only when asked for, and flagged
+  as in-sample in the report, the decision and its tags (the policy was trained to please that judge);
+- a reward-model directory or `models:/` URI, as given.
+
+Then it applies the gate of `promotion` in params.yaml:
 
 - `win_minus_loss_low`: the lower end of the 95% paired bootstrap interval of win rate minus lose rate
   must exceed `min_win_minus_loss_low`: the challenger wins more often than it loses, beyond chance;
@@ -37,9 +47,23 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config, PromotionConfig
-from tasks.evaluation import JudgeSpec, download_version, judge_spec, resolve_model_output
+from tasks.evaluation import (
+    MODELS_URI_PREFIX,
+    JudgeSpec,
+    download_version,
+    judge_spec,
+    llm_judge_spec,
+    resolve_model_output,
+)
 from tasks.outputs import StageOutput
-from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, STAGE_RUN_TAG, lineage_output
+from tasks.registry import (
+    CHALLENGER_ALIAS,
+    JUDGE_MODEL_TAG,
+    JUDGE_VERSION_TAG,
+    REWARD_VERSION_TAG,
+    STAGE_RUN_TAG,
+    lineage_output,
+)
 from tasks.retries import is_retryable
 from tasks.stages import FINAL_METRIC_PREFIX
 
@@ -49,6 +73,8 @@ DECISION_TAG = "promotion.decision"
 PREVIOUS_CHAMPION_TAG = "promotion.previous_champion"
 NO_VERSION = "none"
 REGISTRY_CACHE_SUBDIR = "registry"
+IN_SAMPLE_JUDGE = "in_sample"  # promotion.judge_reward_model: judge with the challenger's own reward model
+IN_SAMPLE_WARNING = "IN-SAMPLE: the reward model the challenger was optimised against, biased in its favour"
 # Registry calls are retried on transient failures (not on a missing alias or tag: a ValueError).
 REGISTRY_TASK_OPTIONS: dict[str, Any] = {
     "cache_policy": NO_CACHE,
@@ -58,6 +84,28 @@ REGISTRY_TASK_OPTIONS: dict[str, Any] = {
 }
 
 Decision = Literal["promoted", "promoted-by-override", "rejected", "unchanged", "rolled-back"]
+JudgeSource = Literal["llm", "registered", "in_sample", "configured"]
+
+
+class JudgeChoice(BaseModel):
+    """The judge of a promotion's evaluation: where the choice came from (`source`) and what names the judge
+    (`reference`: a reward model's `models:/` URI or directory, or the LLM judge's model)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: JudgeSource
+    reference: str
+
+    def describe(self) -> str:
+        """One line for the decision, e.g. `independent judge reward model registered with the challenger
+        (models:/rlhf-reward-judge/1)`."""
+        return {
+            "llm": f"LLM judge {self.reference} (evaluation.judge: llm)",
+            "registered": f"independent judge reward model registered with the challenger ({self.reference})",
+            "in_sample": f"the challenger's own reward model ({self.reference}; promotion.judge_reward_model: "
+            f"{IN_SAMPLE_JUDGE})",
+            "configured": f"reward model {self.reference} (promotion.judge_reward_model)",
+        }[self.source]
 
 
 class GateCheck(BaseModel):
@@ -125,6 +173,7 @@ class EvaluationInputs(BaseModel):
     baseline: StageOutput
     baseline_name: str
     judge: JudgeSpec
+    judge_choice: JudgeChoice
 
 
 class PromotionResult(BaseModel):
@@ -138,6 +187,8 @@ class PromotionResult(BaseModel):
     baseline: str | None = None
     checks: list[GateCheck] = []
     evaluation_run_id: str | None = None
+    judge: JudgeChoice | None = None
+    judge_in_sample: bool | None = None  # as the evaluation found (the judge_in_sample figure)
     reason: str | None = None
     message: str
 
@@ -153,6 +204,9 @@ class PromotionResult(BaseModel):
         ]
         if self.baseline:
             lines.append(f"- compared against: {self.baseline}")
+        if self.judge:
+            in_sample = f"; **{IN_SAMPLE_WARNING}**" if self.judge_in_sample else ""
+            lines.append(f"- judge: {self.judge.describe()}{in_sample}")
         if self.evaluation_run_id:
             lines.append(f"- evaluation MLflow run: {self.evaluation_run_id}")
         if self.reason:
@@ -184,6 +238,54 @@ def training_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, f
     }
 
 
+def missing_judge_message(version: ModelVersion) -> str:
+    """Why a challenger without a registered judge cannot be judged by default, and the ways to fix it."""
+    return (
+        f"{version.name} version {version.version} names no independent judge reward model (no "
+        f"{JUDGE_VERSION_TAG} tag: the pipeline run that registered it trained none, e.g. under "
+        "evaluation.judge_rm: in_sample). Retrain with evaluation.judge_rm: independent (the default) so the "
+        "pipeline registers one, or set promotion.judge_reward_model to a reward-model directory or models:/ "
+        f"URI, or to {IN_SAMPLE_JUDGE} to judge with the challenger's own reward model (biased, and flagged "
+        "so), or set evaluation.judge: llm with its endpoint (RLHF_JUDGE_API_KEY, RLHF_JUDGE_BASE_URL)"
+    )
+
+
+def reward_judge_choice(setting: str | None, challenger: ModelVersion, reward_model_name: str) -> JudgeChoice:
+    """The reward model judging a promotion, from `promotion.judge_reward_model` (`setting`) and the
+    challenger's tags; see the module docstring."""
+    tags = challenger.tags
+    if setting is None:
+        if JUDGE_VERSION_TAG not in tags or JUDGE_MODEL_TAG not in tags:
+            raise ValueError(missing_judge_message(challenger))
+        return JudgeChoice(
+            source="registered", reference=f"{MODELS_URI_PREFIX}{tags[JUDGE_MODEL_TAG]}/{tags[JUDGE_VERSION_TAG]}"
+        )
+    if setting == IN_SAMPLE_JUDGE:
+        if REWARD_VERSION_TAG not in tags:
+            raise ValueError(
+                f"promotion.judge_reward_model: {IN_SAMPLE_JUDGE}, but {challenger.name} version "
+                f"{challenger.version} has no {REWARD_VERSION_TAG} tag naming its reward model"
+            )
+        return JudgeChoice(
+            source="in_sample", reference=f"{MODELS_URI_PREFIX}{reward_model_name}/{tags[REWARD_VERSION_TAG]}"
+        )
+    return JudgeChoice(source="configured", reference=setting)
+
+
+def promotion_judge(
+    config: Config, challenger: ModelVersion, tracking_uri: str, registry_cache: Path
+) -> tuple[JudgeSpec, JudgeChoice]:
+    """The judge of the promotion's evaluation: the LLM judge when `evaluation.judge` is llm, else the
+    reward model `reward_judge_choice` names, downloaded when it is a registry URI."""
+    if config.evaluation.judge == "llm":
+        spec = llm_judge_spec(config)
+        return spec, JudgeChoice(source="llm", reference=str(spec.llm_model))
+    reward_name = config.tracking.reward_model_name
+    choice = reward_judge_choice(config.promotion.judge_reward_model, challenger, reward_name)
+    reward = resolve_model_output(choice.reference, tracking_uri, reward_name, registry_cache)
+    return judge_spec(config, reward), choice
+
+
 @task(name="find-candidates", **REGISTRY_TASK_OPTIONS)
 def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
     """The `challenger` and `champion` versions of the policy; no challenger is an error."""
@@ -204,15 +306,13 @@ def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
 def evaluation_inputs_task(
     config: Config, candidates: Candidates, tracking_uri: str, cache_dir: Path
 ) -> EvaluationInputs:
-    """Download the challenger (and the champion), find the data and SFT model of its lineage, pick the judge.
-
-    The judge is `evaluation.judge`; a reward-model judge is `promotion.judge_reward_model` if set, else
-    the reward model the challenger was optimised against (in-sample, and the report says so).
-    """
+    """Pick the judge (`promotion_judge`, first: a challenger without one fails before any download), then
+    download the challenger (and the champion) and find the data and SFT model of its lineage."""
     client = MlflowClient(tracking_uri)
     registry_cache = cache_dir / REGISTRY_CACHE_SUBDIR
     reward_name = config.tracking.reward_model_name
     challenger = client.get_model_version(candidates.model, candidates.challenger)
+    judge, judge_choice = promotion_judge(config, challenger, tracking_uri, registry_cache)
     if candidates.champion is not None:
         champion = client.get_model_version(candidates.model, candidates.champion)
         baseline = download_version(client, tracking_uri, champion, reward_name, registry_cache)
@@ -220,13 +320,13 @@ def evaluation_inputs_task(
     else:
         baseline = lineage_output(challenger.tags, "sft")
         baseline_name = f"SFT model of version {candidates.challenger} ({baseline.out_dir})"
-    judge_reward = config.promotion.judge_reward_model or f"models:/{reward_name}/{challenger.tags[REWARD_VERSION_TAG]}"
     return EvaluationInputs(
         data=lineage_output(challenger.tags, "prepare-data"),
         challenger=download_version(client, tracking_uri, challenger, reward_name, registry_cache),
         baseline=baseline,
         baseline_name=baseline_name,
-        judge=judge_spec(config, resolve_model_output(judge_reward, tracking_uri, reward_name, registry_cache)),
+        judge=judge,
+        judge_choice=judge_choice,
     )
 
 
@@ -241,6 +341,10 @@ def evidence_tags(result: PromotionResult) -> dict[str, str]:
         f"{PROMOTION_TAG_PREFIX}evaluation_run_id": str(result.evaluation_run_id),
         f"{PROMOTION_TAG_PREFIX}gate": "passed" if all(check.passed for check in result.checks) else "failed",
     }
+    if result.judge is not None:
+        tags[f"{PROMOTION_TAG_PREFIX}judge"] = result.judge.reference
+        tags[f"{PROMOTION_TAG_PREFIX}judge_source"] = result.judge.source
+        tags[f"{PROMOTION_TAG_PREFIX}judge_in_sample"] = str(bool(result.judge_in_sample)).lower()
     tags |= {f"{PROMOTION_TAG_PREFIX}check.{check.name}": check.describe() for check in result.checks}
     if result.reason:
         tags[f"{PROMOTION_TAG_PREFIX}override_reason"] = result.reason
@@ -253,13 +357,15 @@ def decide_task(
     candidates: Candidates,
     evaluation: StageOutput,
     baseline_name: str,
+    judge: JudgeChoice,
     tracking_uri: str,
     override_reason: str | None,
 ) -> PromotionResult:
     """Apply the gate; on a pass (or an override with its reason) tag the challenger and move `champion`.
 
     The tags are set before the alias moves, so a champion always carries its evidence. A failed gate
-    without an override changes nothing in the registry.
+    without an override changes nothing in the registry. An in-sample judge (as the evaluation found)
+    is said in the message, the artifact and the tags, whatever the decision.
     """
     client = MlflowClient(tracking_uri)
     challenger = client.get_model_version(candidates.model, candidates.challenger)
@@ -275,6 +381,9 @@ def decide_task(
     else:
         decision = "rejected"
         message = f"Version {candidates.challenger} stays the {CHALLENGER_ALIAS}; the registry is unchanged. Failed: {failed}."
+    in_sample = evaluation.metrics.get("judge_in_sample") == 1.0
+    if in_sample:
+        message += f" Judged {IN_SAMPLE_WARNING}."
     result = PromotionResult(
         decision=decision,
         model=candidates.model,
@@ -284,6 +393,8 @@ def decide_task(
         baseline=baseline_name,
         checks=checks,
         evaluation_run_id=evaluation.mlflow_run_id,
+        judge=judge,
+        judge_in_sample=in_sample,
         reason=override_reason,
         message=message,
     )

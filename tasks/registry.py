@@ -7,6 +7,11 @@
   a checkpoint path" mode does not work with transformers 5; loading the pipeline costs one model's
   memory, which the training stage needed anyway.)
 - The reward model is logged as a pyfunc (tasks/reward_scorer.py) whose artifact is its directory.
+- The independent judge reward model (the judge-reward stage) is logged the same way, as its own
+  registered model (`judge_model_name`: the reward model's name + `-judge`), with what it was trained
+  on as tags (`training_data.*`, its training_data.json); the policy evaluated by it names it
+  (`lineage.judge_model`, `lineage.judge_version`), so the promotion flow finds the judge of a
+  challenger without being told (tasks/promotion.py).
 
 Each new version gets tags linking it to the data version, the pipeline and stage runs, the config
 and code, and the stage outputs it was made from (`lineage.<stage>.out_dir` / `.sha256`: the SFT model
@@ -28,6 +33,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from pydantic import BaseModel, ConfigDict
 
+from rlhf_core.reward.training_data import TRAINING_DATA_FILE, RewardTrainingData, read_training_data
 from tasks.outputs import StageOutput
 from tasks.reward_scorer import MODEL_ARTIFACT, RewardScorer
 
@@ -40,6 +46,10 @@ EVALUATION_STATUS_TAG = "evaluation.status"
 REWARD_VERSION_TAG = "rlhf.reward_model_version"
 LINEAGE_OUTPUT_PREFIX = "lineage."
 MODEL_ARTIFACT_PATH = "model"
+JUDGE_MODEL_SUFFIX = "-judge"
+JUDGE_MODEL_TAG = "lineage.judge_model"
+JUDGE_VERSION_TAG = "lineage.judge_version"
+TRAINING_DATA_TAG_PREFIX = "training_data."
 
 
 class RegisteredVersion(BaseModel):
@@ -155,6 +165,36 @@ def lineage_output(tags: Mapping[str, str], stage: str) -> StageOutput:
     )
 
 
+def judge_model_name(reward_model_name: str) -> str:
+    """The registered name of the independent judge reward model: `<reward model name>-judge`
+    (`rlhf-reward-judge`), derived so that renaming the reward model in `tracking` renames its judge too."""
+    return f"{reward_model_name}{JUDGE_MODEL_SUFFIX}"
+
+
+def judge_version_tags(judge: RegisteredVersion) -> dict[str, str]:
+    """The tags of a policy version naming the judge version that evaluated it (read by the promotion flow)."""
+    return {JUDGE_MODEL_TAG: judge.name, JUDGE_VERSION_TAG: judge.version}
+
+
+def training_data_tags(output: StageOutput) -> dict[str, str]:
+    """`training_data.<field>`: a reward model's training_data.json (its training and validation splits, the
+    sha256 of its training file, what it was initialised from) as tags of its version."""
+    record = read_training_data(output.out_dir)
+    if record is None:
+        raise ValueError(f"the {output.stage} output {output.out_dir} has no {TRAINING_DATA_FILE} to register with")
+    return {f"{TRAINING_DATA_TAG_PREFIX}{name}": str(value) for name, value in record.model_dump().items()}
+
+
+def training_data_from_tags(tags: Mapping[str, str]) -> RewardTrainingData | None:
+    """The training_data.json a version's `training_data.*` tags hold; None for a version without them."""
+    fields = {
+        key.removeprefix(TRAINING_DATA_TAG_PREFIX): value
+        for key, value in tags.items()
+        if key.startswith(TRAINING_DATA_TAG_PREFIX)
+    }
+    return RewardTrainingData.model_validate(fields) if fields else None
+
+
 def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str:
     """Log the stage's model in run `run_id` with the flavour of its stage; returns the model URI.
 
@@ -169,4 +209,8 @@ def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str
         return log_model(output.model_dir)
 
 
-MODEL_LOGGERS: dict[str, Callable[[Path], str]] = {"ppo": log_policy, "reward": log_reward_model}
+MODEL_LOGGERS: dict[str, Callable[[Path], str]] = {
+    "ppo": log_policy,
+    "reward": log_reward_model,
+    "judge-reward": log_reward_model,
+}

@@ -5,8 +5,9 @@ each iteration's global prompt batch is the same, so the running reward statisti
 advantages, every loss and gradient norm and the validation figures must agree, iteration by
 iteration. Rollouts are greedy (`ppo.rollout.top_p` tiny: the nucleus is the top token), which makes
 each response a function of its prompt alone; with sampling, each rank draws from its own random stream
-and the responses would differ from the single process's. PPO-ptx is on (the preset's 0.5), so the SFT
-micro-batches are sharded too. Tolerance 1e-4 absolute (figures of order 0.1-10): float32 noise passes
+and the responses would differ from the single process's. PPO-ptx (0.5) and advantage whitening (over
+the global rollout batch) are switched on, so the SFT micro-batches are sharded and the whitening reduced
+across ranks too. Tolerance 1e-4 absolute (figures of order 0.1-10): float32 noise passes
 through GAE, whitening and two forward passes per update; a per-rank (instead of global) advantage
 whitening, score normalisation or token count is off by more than 1e-2. Each rank reports world size 2
 and the ranks' prompts are disjoint at every iteration.
@@ -30,7 +31,14 @@ from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.ppo import run_ppo
 
 TOLERANCE = 1e-4
-COMMON = ["ppo.rollout.top_p=1e-6", "ppo.steps=2", "ppo.micro_batch_size=2", "ppo.eval_every=2"]
+COMMON = [
+    "ppo.rollout.top_p=1e-6",
+    "ppo.steps=2",
+    "ppo.micro_batch_size=2",
+    "ppo.eval_every=2",
+    "ppo.ptx_coef=0.5",  # PPO-ptx and advantage whitening are off in ppo_max; on here, to test their sharding
+    "ppo.advantage_normalization=true",
+]
 COMPARED = (
     "reward/score_mean",
     "reward/running_mean",

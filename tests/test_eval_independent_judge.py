@@ -3,11 +3,13 @@
 - rlhf_core: `run_judge_rm` trains on the PPO-prompt split's pairs, from the base model, and its
   training_data.json names the file it read (checked against the file's bytes): not one of its prompts
   is a prompt the policy reward model (rm_train), SFT, validation or evaluation saw.
-- config: a bad `evaluation.judge_rm` is an error naming the key and the allowed values.
+- config: `independent` is the default (and every eval prompt is judged); a bad `evaluation.judge_rm` is
+  an error naming the key and the allowed values.
 - the pipeline, in this process against a real Prefect server and a SQLite MLflow store: with
   `independent` the judge-reward stage runs, the evaluation is judged by it, is not flagged in-sample
-  and says what the judge was trained on, and registration tags the policy with that judge; with the
-  default `in_sample` the judge-reward stage does not run and the evaluation is flagged in-sample.
+  and says what the judge was trained on, and registration registers the judge as its own model, with
+  its lineage and training data as tags, and tags the policy with that judge version; with `in_sample`
+  the judge-reward stage does not run and the evaluation is flagged in-sample.
 """
 
 from __future__ import annotations
@@ -22,12 +24,20 @@ from fixtures.tiny_ppo import one_thread, tiny_config, write_stage_inputs  # noq
 from mlflow import MlflowClient
 
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
-from rlhf_core.config import ConfigError
+from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.prepare import load_split
 from rlhf_core.reward.training_data import read_training_data
 from rlhf_core.stages.judge_reward import run_judge_rm
 from rlhf_core.stages.reward import run_train_rm
-from tasks.registry import LINEAGE_OUTPUT_PREFIX
+from tasks.lineage import DATA_VERSION_TAG
+from tasks.registry import (
+    CONTENT_TAG,
+    JUDGE_MODEL_TAG,
+    JUDGE_VERSION_TAG,
+    LINEAGE_OUTPUT_PREFIX,
+    PIPELINE_RUN_TAG,
+    STAGE_RUN_TAG,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT = (
@@ -63,14 +73,18 @@ def test_the_judge_trains_on_pairs_disjoint_from_the_policy_reward_model(tmp_pat
     assert policy.metrics["train_pairs"] == len(load_split(inputs.data_dir, "rm_train"))
     for other in ("rm_train", "sft", "rm_val", "eval"):
         assert judge_prompts.isdisjoint(prompt_ids(inputs.data_dir, other)), other
-    assert judge_prompts == prompt_ids(inputs.data_dir, "ppo_prompts")  # no cap bites at this size
+    # The whole PPO bucket: the prompts PPO trains on and its validation slice (no cap bites at this size).
+    ppo_bucket = prompt_ids(inputs.data_dir, "ppo_prompts") | prompt_ids(inputs.data_dir, "ppo_val_prompts")
+    assert judge_prompts == ppo_bucket
     history_params = json.loads((tmp_path / "judge" / "history.params.json").read_text())
     assert (history_params["train_split"], history_params["reward"]["init_from"]) == ("ppo_pairs", "base")
     assert judge.model_dir == tmp_path / "judge" / "model"
 
 
-def test_judge_rm_accepts_only_in_sample_or_independent() -> None:
-    assert tiny_config().evaluation.judge_rm == "in_sample"
+def test_judge_rm_defaults_to_independent_and_accepts_only_in_sample_or_independent() -> None:
+    defaults = load_config(REPO / "params.yaml").evaluation
+    assert (defaults.judge, defaults.judge_rm, defaults.max_prompts) == ("rm", "independent", None)
+    assert defaults.trains_judge_rm and tiny_config().evaluation.judge_rm == "independent"
     assert tiny_config("evaluation.judge_rm=independent").evaluation.trains_judge_rm
     assert not tiny_config("evaluation.judge_rm=independent", "evaluation.judge=llm").evaluation.trains_judge_rm
     with pytest.raises(ConfigError) as error:
@@ -124,6 +138,24 @@ def test_the_pipeline_judges_with_the_independent_reward_model_only_when_asked(
     assert tags["evaluation.judge_in_sample"] == "false"
     assert tags["evaluation.judge_description"] == report["judge"]["description"]
     assert tags[f"{LINEAGE_OUTPUT_PREFIX}judge-reward.out_dir"] == str(judge_output.out_dir)
+    (judge,) = [version for version in independent.registered if version.name == "rlhf-reward-judge"]
+    assert (tags[JUDGE_MODEL_TAG], tags[JUDGE_VERSION_TAG]) == ("rlhf-reward-judge", judge.version)
+    judge_tags = mlflow_store.get_model_version("rlhf-reward-judge", judge.version).tags
+    data_dir = independent.outputs["prepare-data"].out_dir
+    assert {key: judge_tags[key] for key in judge_tags if key.startswith("training_data.")} == {
+        "training_data.train_split": "ppo_pairs",
+        "training_data.train_file_sha256": file_sha256(data_dir / "ppo_pairs.parquet"),
+        "training_data.validation_split": "rm_val",
+        "training_data.init_from": "base",
+    }
+    assert judge_tags[CONTENT_TAG] == judge_output.sha256
+    assert judge_tags[STAGE_RUN_TAG] == judge_output.mlflow_run_id
+    assert judge_tags[PIPELINE_RUN_TAG] == independent.mlflow_run_id
+    assert judge_tags[DATA_VERSION_TAG] == independent.data.version == tags[DATA_VERSION_TAG]
+    assert f"registered: rlhf-reward-judge version {judge.version}" in independent.summary()
+    metrics = independent.outputs["evaluate"].metrics
+    assert metrics["score_diff_low"] <= metrics["score_diff_mean"] <= metrics["score_diff_high"]
+    assert tags["evaluation.score_diff_mean"] == f"{metrics['score_diff_mean']:.6g}"
 
     in_sample = rlhf_pipeline(pipeline_settings(data, "in_sample", [Stage.EVALUATE]))
     assert set(in_sample.outputs) == {"prepare-data", "sft", "reward", "ppo", "evaluate"}

@@ -144,6 +144,9 @@ def test_evaluate_task_logs_the_evaluation_and_a_rerun_is_a_cache_hit(
     assert (
         metrics["final.win_minus_loss_low"] <= metrics["final.win_minus_loss"] <= metrics["final.win_minus_loss_high"]
     )
+    differences = [row["score_a"] - row["score_b"] for row in verdicts]  # the judge's scores of each pair
+    assert metrics["final.score_diff_mean"] == pytest.approx(sum(differences) / len(differences))
+    assert metrics["final.score_diff_low"] <= metrics["final.score_diff_mean"] <= metrics["final.score_diff_high"]
     for name in ("win_rate_low", "win_rate_high", "mean_tokens_a", "mean_tokens_b", "alignment_tax"):
         assert metrics[f"final.{name}"] == pytest.approx(output.metrics[name])
     assert metrics["final.judge_in_sample"] == 1.0  # judged by the PPO run's own reward model
@@ -154,9 +157,9 @@ def test_evaluate_task_logs_the_evaluation_and_a_rerun_is_a_cache_hit(
     assert {item.path for item in tracking.list_artifacts(output.mlflow_run_id, "plots")} == {"plots/win_rate.png"}
     table = json.loads(Path(tracking.download_artifacts(output.mlflow_run_id, "pairs.json", str(tmp_path))).read_text())
     rows = [dict(zip(table["columns"], row)) for row in table["data"]]
-    assert [(row["prompt_id"], row["verdict"], row["margin"]) for row in rows] == [
-        (row["prompt_id"], row["verdict"], row["margin"]) for row in verdicts
-    ]
+    assert [(row["prompt_id"], row["verdict"]) for row in rows] == [(row["prompt_id"], row["verdict"]) for row in verdicts]
+    # MLflow's table artifact keeps 10 decimals of each float
+    assert [row["margin"] for row in rows] == pytest.approx([row["margin"] for row in verdicts], abs=1e-9)
     report_md = (output.out_dir / "report.md").read_text()
     assert "# Evaluation: PPO policy (A) vs SFT model (B)" in report_md and "In-sample judge" in report_md
     assert artifacts_of(state.state_details.flow_run_id)["evaluate-report"] == report_md

@@ -18,12 +18,12 @@ from rlhf_core.data.prepare import prepare_preference_data
 from rlhf_core.data.validation import TokenLengths
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
 from rlhf_core.evaluation.generation import generate_replies
-from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
+from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
 from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, render_markdown, summarise_outcomes
-from rlhf_core.evaluation.statistics import cohens_kappa, wilson_interval
+from rlhf_core.statistics import cohens_kappa, wilson_interval
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 
@@ -113,6 +113,60 @@ def test_agreement_with_other_judges() -> None:
     assert agreement.kappa == pytest.approx(expected_kappa)
     metrics = report.metrics()
     assert metrics["agreement/LLM gpt/percent"] == pytest.approx(0.8)
+
+
+def reference_mean_interval(values: list[float], seed: int, resamples: int) -> tuple[float, float, float]:
+    """The mean and 95% percentile bootstrap interval by hand: resample pairs with numpy's seeded generator,
+    sort the resampled means, interpolate the 2.5% and 97.5% quantiles linearly."""
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(values), size=(resamples, len(values)))
+    means = sorted(sum(values[i] for i in row) / len(values) for row in draws)
+
+    def quantile(q: float) -> float:
+        position = q * (len(means) - 1)
+        below = math.floor(position)
+        above = min(below + 1, len(means) - 1)
+        return means[below] + (means[above] - means[below]) * (position - below)
+
+    return sum(values) / len(values), quantile(0.025), quantile(0.975)
+
+
+def test_the_paired_mean_score_difference_and_its_interval() -> None:
+    scores = [(1.5, 0.25), (0.0, 0.5), (2.0, -1.0), (0.75, 0.75), (-0.5, 0.25), (1.25, 0.0), (0.5, 0.125)]
+    judgements = [
+        Judgement(verdict=A if a > b else B if a < b else TIE, detail={"score_a": a, "score_b": b, "margin": a - b})
+        for a, b in scores
+    ]
+    rows = [
+        JudgedPair(f"k{i}", "only", 10, 10, judgement.verdict, judgement.score_diff)
+        for i, judgement in enumerate(judgements)
+    ]
+    rows.append(JudgedPair("no-scores", "only", 10, 10, TIE))  # a pair the judge gave no scores for: left out
+    report = build_report(rows, RM_JUDGE, "ppo", "sft", GENERATION, seed=3, resamples=400)
+
+    mean, low, high = reference_mean_interval([a - b for a, b in scores], seed=3, resamples=400)
+    assert report.score_diff is not None and report.score_diff.pairs == len(scores)
+    assert (report.score_diff.mean, report.score_diff.low, report.score_diff.high) == pytest.approx(
+        (mean, low, high), abs=1e-12
+    )
+    metrics = report.metrics()
+    assert (metrics["score_diff_mean"], metrics["score_diff_low"], metrics["score_diff_high"]) == pytest.approx(
+        (mean, low, high), abs=1e-12
+    )
+    assert metrics["score_diff_pairs"] == len(scores)
+    assert f"mean {mean:+.4g} (95% paired bootstrap interval {low:+.4g} to {high:+.4g}) over 7 pairs" in (
+        render_markdown(report)
+    )
+    assert build_report(rows, RM_JUDGE, "ppo", "sft", GENERATION, seed=3, resamples=400) == report  # seeded
+    assert type(report).model_validate_json(report.model_dump_json()) == report
+
+
+def test_a_judge_without_scores_reports_no_score_difference() -> None:
+    assert Judgement(verdict=A, detail={"order_1": "A"}).score_diff is None
+    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, resamples=100)
+    assert report.score_diff is None
+    assert not any(name.startswith("score_diff") for name in report.metrics())
+    assert "Judge score of A's reply minus B's" not in render_markdown(report)
 
 
 def test_metrics_markdown_and_chart(tmp_path: Path) -> None:

@@ -375,7 +375,7 @@ def test_frozen_models_in_bf16_stay_close_to_fp32_and_the_ppo_step_runs(tmp_path
     experiences = {}
     for dtype, trainer in trainers.items():
         torch.manual_seed(5)  # the same sampled responses: generation uses only the fp32 policy
-        experiences[dtype], _ = trainer.make_experience(trainer.next_prompts())
+        experiences[dtype], _ = trainer.maker.make_experience(trainer.maker.next_prompts())
     full, half = experiences["float32"], experiences["bfloat16"]
     assert torch.equal(full.response_ids, half.response_ids) and torch.equal(full.logprobs, half.logprobs)
     real = full.response_mask.bool()
@@ -385,7 +385,9 @@ def test_frozen_models_in_bf16_stay_close_to_fp32_and_the_ppo_step_runs(tmp_path
     assert 0 < logprob_error < BF16_LOGPROB_TOLERANCE, logprob_error
     assert score_error < BF16_SCORE_TOLERANCE, score_error
 
-    step = trainers["bfloat16"].config.critic_pretrain_steps + 1  # a step that trains the policy too
-    metrics = trainers["bfloat16"].learn(half, step)
+    trainer = trainers["bfloat16"]
+    for step in range(1, trainer.config.critic_pretrain_steps + 1):  # critic pretraining, to its cap
+        trainer.learn(half, step)
+    metrics = trainer.learn(half, trainer.config.critic_pretrain_steps + 1)  # trains the policy too
     assert all(torch.isfinite(torch.tensor(value)) for value in metrics.values())
     assert metrics["policy/grad_norm"] > 0

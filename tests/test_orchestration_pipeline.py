@@ -35,6 +35,8 @@ from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
 from tasks.registry import (
     CHALLENGER_ALIAS,
     EVALUATION_STATUS_TAG,
+    JUDGE_MODEL_TAG,
+    JUDGE_VERSION_TAG,
     PIPELINE_RUN_TAG,
     REWARD_VERSION_TAG,
     STAGE_RUN_TAG,
@@ -46,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "rlhf-pipeline/rlhf-pipeline"
 SERVE_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
-STAGES = ("prepare-data", "sft", "reward", "ppo", "evaluate", "register")
+STAGES = ("prepare-data", "sft", "reward", "judge-reward", "ppo", "evaluate", "register")
 
 
 @dataclass
@@ -163,6 +165,7 @@ def test_changed_ppo_parameter_reruns_ppo_and_what_follows_only(scenario: Scenar
         "prepare-data": "Cached",
         "sft": "Cached",
         "reward": "Cached",
+        "judge-reward": "Cached",
         "ppo": "Completed",
         "evaluate": "Completed",
         "register": "Completed",
@@ -215,6 +218,11 @@ def test_policy_challenger_is_registered_with_lineage_and_answers_chat(scenario:
     assert challenger.tags[STAGE_RUN_TAG] == last_parent.data.tags["stage.ppo.run_id"]
     reward = client.get_model_version("rlhf-reward", challenger.tags[REWARD_VERSION_TAG])
     assert reward.tags[DATA_VERSION_TAG] == challenger.tags[DATA_VERSION_TAG]
+    # The independent judge that evaluated it: registered once (run C's judge-reward stage was a cache hit).
+    assert (challenger.tags[JUDGE_MODEL_TAG], challenger.tags[JUDGE_VERSION_TAG]) == ("rlhf-reward-judge", "1")
+    (judge,) = client.search_model_versions("name = 'rlhf-reward-judge'")
+    assert judge.tags[STAGE_RUN_TAG] == first_parent.data.tags["stage.judge-reward.run_id"]
+    assert judge.tags["training_data.train_split"] == "ppo_pairs" and judge.tags["training_data.init_from"] == "base"
 
     mlflow.set_tracking_uri(scenario.tracking_uri)
     chat = mlflow.pyfunc.load_model(f"models:/rlhf-policy@{CHALLENGER_ALIAS}")

@@ -20,7 +20,8 @@ from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.rollout import RewardModelScorer
 from rlhf_core.ppo.shared_trunk import find_shared_trunk
-from rlhf_core.ppo.trainer import PPOData, PPOModels, PPOTrainer
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 
 SIZES = TinyModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TOP = 1  # trainable blocks: the lower 3 form the trunk
@@ -99,25 +100,25 @@ def lower_block_calls(models: PPOModels) -> tuple[Counter[str], list[Any]]:
 def test_found_when_all_four_models_hold_the_same_frozen_lower_blocks(tokenizer: PreTrainedTokenizerBase) -> None:
     models = four_models(tokenizer)
     trainer = make_trainer(models, tokenizer)
-    assert trainer.trunk is not None
-    assert trainer.trunk.num_lower == SIZES.num_layers - TOP
-    assert trainer.trunk.members == {"reference", "critic", "reward_model"}
+    assert trainer.maker.trunk is not None
+    assert trainer.maker.trunk.num_lower == SIZES.num_layers - TOP
+    assert trainer.maker.trunk.members == {"reference", "critic", "reward_model"}
 
 
 def test_models_whose_lower_blocks_differ_are_not_members(tokenizer: PreTrainedTokenizerBase) -> None:
     unrelated = four_models(tokenizer, reward_seed=5)  # reward model (and critic) from other weights
-    trunk = make_trainer(unrelated, tokenizer).trunk
+    trunk = make_trainer(unrelated, tokenizer).maker.trunk
     assert trunk is not None and trunk.members == {"reference"}
 
     models = four_models(tokenizer)
     models.reference.to(torch.bfloat16)  # a bf16 reference next to a float32 policy
-    trunk = make_trainer(models, tokenizer).trunk
+    trunk = make_trainer(models, tokenizer).maker.trunk
     assert trunk is not None and trunk.members == {"critic", "reward_model"}
 
 
 def test_none_when_switched_off_or_lower_blocks_train(tokenizer: PreTrainedTokenizerBase) -> None:
-    assert make_trainer(four_models(tokenizer), tokenizer, share_frozen_trunk=False).trunk is None
-    assert make_trainer(four_models(tokenizer), tokenizer, trainable_top_layers=None).trunk is None
+    assert make_trainer(four_models(tokenizer), tokenizer, share_frozen_trunk=False).maker.trunk is None
+    assert make_trainer(four_models(tokenizer), tokenizer, trainable_top_layers=None).maker.trunk is None
     models = four_models(tokenizer)
     models.policy.model.layers[0].requires_grad_(True)
     others = {"reference": models.reference.model, "critic": models.critic.backbone}
@@ -134,7 +135,7 @@ def run_iteration(
     models = four_models(tokenizer)
     trainer = make_trainer(models, tokenizer, share_frozen_trunk=shared)
     torch.manual_seed(0)
-    experience, _ = trainer.make_experience(trainer.next_prompts())
+    experience, _ = trainer.maker.make_experience(trainer.maker.next_prompts())
     calls, handles = lower_block_calls(models)
     metrics = trainer.learn(experience, step=1)
     for handle in handles:
@@ -171,7 +172,7 @@ def test_rollout_runs_the_lower_blocks_once(tokenizer: PreTrainedTokenizerBase) 
         trainer = make_trainer(models, tokenizer, share_frozen_trunk=shared)
         torch.manual_seed(0)
         calls, handles = lower_block_calls(models)
-        trainer.make_experience(trainer.next_prompts())
+        trainer.maker.make_experience(trainer.maker.next_prompts())
         for handle in handles:
             handle.remove()
         counts[shared] = calls

@@ -93,6 +93,10 @@ def test_validation_prompts_are_held_out_of_training_and_of_the_evaluation(input
     evaluated = {json.loads(line)["prompt_id"] for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()}
     assert evaluated and trained
     assert not validated & evaluated and not validated & trained and not trained & evaluated
+    report = (tmp_path / "eval" / "report.md").read_text()  # the PPO run's evidence beside the verdicts
+    gain = selection["gain_over_initial"]
+    assert "## The PPO run behind model A" in report
+    assert f"(95% interval {gain['low']:+.4g} to {gain['high']:+.4g})" in report and "validation_gain.png" in report
 
 
 @pytest.mark.parametrize("critic_init", ["reward", "sft"])

@@ -4,9 +4,11 @@ The policy is a tiny model first taught (a few dozen SFT steps) to answer with a
 ten fruit names, then an end-of-turn token. The reward is dense and rule-based: the share of response
 tokens that are one of three of those words, which the initial model already emits (share about 0.17:
 replies are short, and their end-of-turn token counts too).
-Runs with three seeds must raise the validation reward by more than the seed-to-seed spread while the
-per-token KL stays under the guard's bound; runs with a low KL bound, a tight length bound and a tight
-perplexity bound must each stop with the guard's message, handing on the best validated policy.
+Runs of the ppo_max recipe with three seeds must raise the validation reward (which counts the unfinished
+penalty) by more than the seed-to-seed spread while the per-token KL stays under the guard's bound, and
+hand on the trained policy rather than the start; runs with a low KL bound, a tight length bound and a
+tight perplexity bound must each stop with the guard's message, handing on the policy the selection rule
+chose among the validated ones.
 """
 
 from __future__ import annotations
@@ -26,16 +28,10 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.heads import Critic
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
-from rlhf_core.ppo.trainer import (
-    BEST_DIR,
-    FitResult,
-    PPOData,
-    PPOModels,
-    PPOTrainer,
-    collate_ptx,
-    fit,
-    ptx_nll_sum,
-)
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.ptx import collate_ptx, ptx_nll_sum
+from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
+from rlhf_core.ppo.validation import BEST_DIR
 from rlhf_core.training.logger import JsonlLogger
 
 WORDS = [" apple", " banana", " cherry", " grape", " lemon", " mango", " peach", " plum", " kiwi", " yes"]

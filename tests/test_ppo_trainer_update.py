@@ -17,8 +17,10 @@ from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.rollout import RewardModelScorer
-from rlhf_core.ppo import trainer as trainer_module
-from rlhf_core.ppo.trainer import PPOData, PPOModels, PPOTrainer, assemble_experience
+from rlhf_core.ppo import update as update_module
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.recipe import assemble_experience
+from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 
 PROMPTS = [
     [{"role": "user", "content": f"Tell me something about the number {i}." + " Please!" * i}]
@@ -78,7 +80,7 @@ def cut_responses(trainer: PPOTrainer, experience: Experience, lengths: list[int
     return assemble_experience(
         prompt_ids=experience.prompt_ids,
         prompt_mask=experience.prompt_mask,
-        response_ids=torch.where(real, experience.response_ids, trainer.pad_id),
+        response_ids=torch.where(real, experience.response_ids, trainer.maker.pad_id),
         response_mask=mask,
         finished=experience.finished,
         logprobs=torch.where(real, experience.logprobs, 0.0),
@@ -86,7 +88,7 @@ def cut_responses(trainer: PPOTrainer, experience: Experience, lengths: list[int
         entropy=torch.where(real, experience.entropy, 0.0),
         values=torch.where(real, experience.values, 0.0),
         scores=experience.scores,
-        score_stats=trainer.score_stats,
+        score_stats=trainer.maker.score_stats,
         config=trainer.config,
     )
 
@@ -145,7 +147,7 @@ def test_gradients_are_clipped_per_model(
             grads = [p.grad for p in group["params"] if p.grad is not None]
             applied[group["name"]] = math.sqrt(sum(float(g.square().sum()) for g in grads))
 
-    trainer.optimizer.register_step_pre_hook(record_applied_norms)
+    trainer.learner.optimizer.register_step_pre_hook(record_applied_norms)
     metrics = trainer.learn(rollout(trainer), step=1)
     assert (
         metrics["policy/grad_norm"] > 1e-2 and metrics["critic/grad_norm"] > 1e-2
@@ -196,16 +198,28 @@ def test_advantages_are_whitened_over_the_whole_rollout_batch(
     )
     experience = rollout(trainer)
     seen: list[torch.Tensor] = []
-    original = trainer_module.policy_terms
+    original = update_module.policy_terms
 
     def spy(logprobs, entropy, batch, advantages, config, num_tokens):  # type: ignore[no-untyped-def]
         seen.append(advantages[batch.response_mask.bool()].detach().clone())
         return original(logprobs, entropy, batch, advantages, config, num_tokens)
 
-    monkeypatch.setattr(trainer_module, "policy_terms", spy)
+    monkeypatch.setattr(update_module, "policy_terms", spy)
     trainer.learn(experience, step=1)
     real = experience.advantages[experience.response_mask.bool()]
     reference = (real - real.mean()) / real.std()  # std with n - 1, as masked_whiten
     used = torch.cat(seen)
     assert used.numel() == reference.numel()
     assert torch.allclose(used.sort().values, reference.sort().values, atol=1e-5)
+
+
+def test_ppo_ptx_is_off_by_default_and_adds_the_sft_loss_when_on(tokenizer: PreTrainedTokenizerBase) -> None:
+    default = make_trainer(tokenizer)
+    assert default.config.ptx_coef == 0 and default.ptx is None
+    assert default.learn(rollout(default), step=1)["loss/ptx"] == 0.0
+
+    ptx = make_trainer(tokenizer, ptx_coef=0.5)
+    metrics = ptx.learn(rollout(ptx), step=1)
+    assert ptx.ptx is not None and ptx.ptx.steps_used == 1  # one SFT batch per policy optimizer step
+    assert metrics["loss/ptx"] > 0
+    assert metrics["loss/policy_total"] == pytest.approx(metrics["loss/policy"] + 0.5 * metrics["loss/ptx"], rel=1e-5)

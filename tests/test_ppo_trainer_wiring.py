@@ -18,7 +18,7 @@ import torch
 
 from rlhf_core.config import PPO_PRESETS, PPOConfig
 from rlhf_core.ppo.normalizers import RunningMeanStd
-from rlhf_core.ppo.trainer import (
+from rlhf_core.ppo.recipe import (
     assemble_experience,
     loss_advantages,
     penalize_unfinished,

@@ -1,13 +1,18 @@
 """The rlhf-promote flow against a real MLflow registry (server with S3 artifacts) and a real Prefect server.
 
-One module-scoped scenario on one policy model, and every test asserts on it:
+One module-scoped scenario on one policy model, and every test asserts on it. The policy versions name the
+independent judge reward model registered with them (`lineage.judge_model` / `lineage.judge_version`, as the
+pipeline's register step sets them), and no step configures a judge unless it says so:
   A. version 1 is the challenger and there is no champion: it is evaluated against the SFT model its
-     lineage names, passes the gate and becomes the champion with its evidence as tags;
+     lineage names, judged by its registered judge, passes the gate and becomes the champion with its
+     evidence as tags;
   B. version 2 (its PPO run drifted: KL 0.9 > promotion.max_kl) is evaluated against the champion, fails,
      and the registry is left as it was;
+  B2. the same with `promotion.judge_reward_model: in_sample`: judged by its own reward model, flagged so;
   C. an override without a reason is refused before anything runs;
   D. the same override with a reason promotes version 2 (the evaluation is a cache hit) and records it;
-  E. a rollback moves the champion back to version 1; F. a second one finds nothing earlier and fails.
+  E. a rollback moves the champion back to version 1; F. a second one finds nothing earlier and fails;
+  G. version 3 names no judge and none is configured: the flow fails saying how to fix it, changing nothing.
 
 The policies are copies of the tiny SFT model, told apart by a marker file, so both replies of every pair
 are the same and every verdict is a tie: win minus loss is exactly 0 with a [0, 0] interval, which passes
@@ -16,22 +21,34 @@ are the same and every verdict is a tie: win minus loss is exactly 0 with a [0, 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import one_thread, write_stage_inputs  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import one_thread, save_rm_output, write_stage_inputs  # noqa: F401  (one_thread: autouse)
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from prefect.states import State
 
 from flows.promote import rlhf_promote
+from rlhf_core.models.tiny import load_tiny_model
+from rlhf_core.reward.training_data import training_data_record, write_training_data
 from tasks.outputs import StageOutput, output_sha256
-from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, PromotionResult
-from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, STAGE_RUN_TAG, lineage_output_tags, register
+from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
+from tasks.registry import (
+    CHALLENGER_ALIAS,
+    REWARD_VERSION_TAG,
+    STAGE_RUN_TAG,
+    judge_model_name,
+    judge_version_tags,
+    lineage_output_tags,
+    register,
+    training_data_tags,
+)
 from tasks.tracking import get_or_create_experiment
 
 pytestmark = pytest.mark.slow
@@ -39,13 +56,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "promotion-policy"
 REWARD = "promotion-reward"
+JUDGE = judge_model_name(REWARD)  # promotion-reward-judge
 EXPERIMENT = "promotion-tests"
+INDEPENDENT = (
+    "independent reward model (trained on the PPO-prompt split, validated on rm_val, initialised from the base model)"
+)
 
 
 @dataclass
 class Scenario:
     client: MlflowClient
     sft_dir: Path
+    root: Path
     states: dict[str, State]
     tags_after: dict[str, dict[str, dict[str, str]]]  # step -> version -> tags
     champion_after: dict[str, str | None]  # step -> champion version
@@ -67,7 +89,7 @@ def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: 
     return run_id
 
 
-def settings(runs_dir: Path, **changes: object) -> dict[str, object]:
+def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, object]:
     return {
         "config": [str(ROOT / "configs" / "tiny.yaml")],
         "overrides": [
@@ -76,6 +98,7 @@ def settings(runs_dir: Path, **changes: object) -> dict[str, object]:
             f"tracking.experiment={EXPERIMENT}",
             "evaluation.max_prompts=6",
             "promotion.min_win_minus_loss_low=-0.5",
+            *overrides,
         ],
         "params_file": str(ROOT / "params.yaml"),
         "runs_dir": str(runs_dir),
@@ -109,6 +132,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
     experiment_id = get_or_create_experiment(client, EXPERIMENT, None)
     register_run = client.create_run(experiment_id, run_name="register").info.run_id
     reward = register(client, mlflow_server, register_run, REWARD, stage_output("reward", inputs.rm_dir), {}, None)
+    judge_dir = save_rm_output(root / "judge_reward", load_tiny_model()[1], seed=2)
+    write_training_data(judge_dir, training_data_record(inputs.data_dir, "ppo_pairs", "base"))
+    judge_output = stage_output("judge-reward", judge_dir)
+    judge = register(
+        client, mlflow_server, register_run, JUDGE, judge_output, training_data_tags(judge_output), None
+    )
     lineage = lineage_output_tags(
         {
             "prepare-data": stage_output("prepare-data", inputs.data_dir, with_model=False),
@@ -116,7 +145,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
         }
     )
 
-    def register_policy(variant: str, kl: float) -> str:
+    def register_policy(variant: str, kl: float, judged: bool = True) -> str:
         out_dir = root / f"policy-{variant}"
         shutil.copytree(inputs.sft_dir, out_dir)
         (out_dir / "model" / "variant.txt").write_text(variant)  # new content, the same weights
@@ -124,6 +153,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
             **lineage,
             REWARD_VERSION_TAG: reward.version,
             STAGE_RUN_TAG: ppo_run(client, experiment_id, kl=kl, guard_stopped=0.0),
+            **(judge_version_tags(judge) if judged else {}),
         }
         return register(
             client, mlflow_server, register_run, POLICY, stage_output("ppo", out_dir), tags, CHALLENGER_ALIAS
@@ -154,11 +184,14 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
             promote("A", settings(runs_dir))
             assert register_policy("2", kl=0.9) == "2"
             promote("B", settings(runs_dir))
+            promote("B2", settings(runs_dir, "promotion.judge_reward_model=in_sample"))
             promote("C", settings(runs_dir, override=True))
             promote("D", settings(runs_dir, override=True, reason="people preferred it in the human evaluation"))
             promote("E", settings(runs_dir, mode="rollback", reason="complaints after the release"))
             promote("F", settings(runs_dir, mode="rollback"))
-        yield Scenario(client, inputs.sft_dir, states, tags_after, champion_after, artifacts, task_states_of)
+            assert register_policy("3", kl=0.05, judged=False) == "3"
+            promote("G", settings(runs_dir))
+        yield Scenario(client, inputs.sft_dir, root, states, tags_after, champion_after, artifacts, task_states_of)
     finally:
         monkeypatch.undo()
 
@@ -191,11 +224,32 @@ def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_wit
     assert tags["promotion.check.win_minus_loss_low"] == "win_minus_loss_low = 0 (> -0.5): pass"
     evaluation = scenario.client.get_run(tags["promotion.evaluation_run_id"])
     assert evaluation.data.metrics["final.tie_rate"] == 1.0  # the same weights: every pair a tie
-    assert evaluation.data.metrics["final.judge_in_sample"] == 1.0  # the challenger's own reward model
+    assert evaluation.data.metrics["final.score_diff_mean"] == 0.0  # identical replies, identical scores
     report = scenario.artifacts["A"]["promotion-decision"]
     assert (
         "# Promotion of `promotion-policy`: promoted" in report
         and "| kl_to_reference | 0.05 | <= 0.3 | pass |" in report
+    )
+
+
+def test_with_no_judge_configured_the_judge_registered_with_the_challenger_judges(scenario: Scenario) -> None:
+    first = result(scenario, "A")
+    assert first.judge == JudgeChoice(source="registered", reference=f"models:/{JUDGE}/1")
+    assert first.judge_in_sample is False
+    tags = scenario.tags_after["A"]["1"]
+    assert (tags["promotion.judge"], tags["promotion.judge_source"], tags["promotion.judge_in_sample"]) == (
+        f"models:/{JUDGE}/1",
+        "registered",
+        "false",
+    )
+    run_id = tags["promotion.evaluation_run_id"]
+    assert scenario.client.get_run(run_id).data.metrics["final.judge_in_sample"] == 0.0
+    report = json.loads(Path(scenario.client.download_artifacts(run_id, "report.json", str(scenario.root))).read_text())
+    downloads = scenario.root / "runs" / ".cache" / "registry"
+    assert report["judge"]["name"].startswith(f"reward model {downloads / JUDGE}-v1-")
+    assert INDEPENDENT in report["judge"]["description"]  # its training_data.json, rebuilt from its tags
+    assert f"judge: independent judge reward model registered with the challenger (models:/{JUDGE}/1)" in (
+        scenario.artifacts["A"]["promotion-decision"]
     )
 
 
@@ -209,6 +263,29 @@ def test_a_failing_challenger_leaves_the_registry_unchanged_and_says_why(scenari
     assert scenario.tags_after["B"] == scenario.tags_after["A"] | {"2": scenario.tags_after["B"]["2"]}
     assert not any(key.startswith("promotion.") for key in scenario.tags_after["B"]["2"])
     assert "rejected" in scenario.artifacts["B"]["promotion-decision"]
+
+
+def test_the_in_sample_judge_is_used_only_when_asked_and_is_flagged(scenario: Scenario) -> None:
+    in_sample = result(scenario, "B2")
+    assert in_sample.decision == "rejected" and in_sample.champion_after == "1"
+    assert in_sample.judge == JudgeChoice(source="in_sample", reference=f"models:/{REWARD}/1")
+    assert in_sample.judge_in_sample is True
+    assert "Judged IN-SAMPLE: the reward model the challenger was optimised against" in in_sample.message
+    assert "**IN-SAMPLE" in scenario.artifacts["B2"]["promotion-decision"]
+    evaluation = scenario.client.get_run(in_sample.evaluation_run_id)
+    assert evaluation.data.metrics["final.judge_in_sample"] == 1.0
+    assert scenario.tags_after["B2"] == scenario.tags_after["B"]  # a rejection changes nothing
+
+
+def test_a_challenger_without_a_registered_judge_fails_saying_how_to_fix_it(scenario: Scenario) -> None:
+    failed = scenario.states["G"]
+    assert failed.is_failed()
+    message = str(failed.result(raise_on_failure=False))
+    assert f"{POLICY} version 3 names no independent judge reward model" in message
+    assert "promotion.judge_reward_model" in message and "in_sample" in message
+    assert scenario.task_states["G"]["evaluation-inputs"] == "Failed" and "evaluate" not in scenario.task_states["G"]
+    assert scenario.champion_after["G"] == "1"
+    assert not any(key.startswith("promotion.") for key in scenario.tags_after["G"]["3"])
 
 
 def test_an_override_without_a_reason_is_refused_before_anything_runs(scenario: Scenario) -> None:

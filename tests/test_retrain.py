@@ -1,6 +1,7 @@
 """The `rlhf-retrain` flow end to end: in a temporary git + DVC project whose raw data is only in the DVC remote,
 it pulls the data, runs the whole tiny pipeline (evaluation included) against a real MLflow server and a real
-Prefect server, registers a challenger and ends with the promotion flow's decision on it.
+Prefect server, registers a challenger with its independent judge reward model and ends with the promotion
+flow's decision on it, judged by that registered judge without any judge configured.
 
 Whether the tiny challenger passes the gate depends on the tiny training; the test asserts that the decision
 follows from the figures (the evaluation of the registered challenger against the SFT model, and its PPO run's
@@ -84,11 +85,9 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
     assert (Path("data/raw/pairs.jsonl")).is_file()  # pulled from the remote
     assert (pipeline.data.kind, pipeline.data.version) == ("dvc", data_version(Path("data/raw").resolve()))
     evaluation = pipeline.outputs["evaluate"]
-    assert (
-        pipeline.summary()
-        .splitlines()[-3]
-        .startswith("evaluation: PPO policy (A) vs SFT model (B), judged by the reward model, IN-SAMPLE")
-    )
+    judged = pipeline.summary().splitlines()[-3]
+    assert judged.startswith("evaluation: PPO policy (A) vs SFT model (B), judged by the reward model")
+    assert "IN-SAMPLE" not in judged  # the independent judge reward model, the default
 
     client = MlflowClient(project)
     (policy,) = [version for version in pipeline.registered if version.name == POLICY]
@@ -100,6 +99,10 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
 
     promotion = result.promotion
     assert promotion.challenger == policy.version and promotion.champion_before is None
+    (judge,) = [version for version in pipeline.registered if version.name == "retrain-reward-judge"]
+    assert promotion.judge is not None and promotion.judge.source == "registered"
+    assert promotion.judge.reference == f"models:/retrain-reward-judge/{judge.version}"
+    assert promotion.judge_in_sample is False
     assert promotion.baseline == f"SFT model of version {policy.version} ({pipeline.outputs['sft'].out_dir})"
     checks = {check.name: check for check in promotion.checks}
     promotion_run = client.get_run(promotion.evaluation_run_id)

@@ -24,7 +24,8 @@ from rlhf_core.sft.batch import IGNORE_INDEX
 from rlhf_core.stages.reward import count_pairs_and_tokens, reward_loss_fn
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.freezing import freeze_all_but_top_layers
-from rlhf_core.training.loop import LoopConfig, train
+from rlhf_core.training.loop import train
+from rlhf_core.training.loop_config import LoopConfig
 
 PAIRS = [
     PreferencePair(

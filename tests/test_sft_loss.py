@@ -19,7 +19,8 @@ from rlhf_core.sft.batch import IGNORE_INDEX, collate_sequences
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, perplexity, reply_token_nll
 from rlhf_core.stages.sft import count_tokens, sft_loss
 from rlhf_core.training.batching import fixed_size_plan
-from rlhf_core.training.loop import LoopConfig, train
+from rlhf_core.training.loop import train
+from rlhf_core.training.loop_config import LoopConfig
 
 DIALOGUES = [
     ([{"role": "user", "content": "Hi"}], "Hello! How can I help you today?"),

@@ -12,13 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
 from rlhf_core.training.logger import JsonlLogger
-from rlhf_core.training.loop import (
-    LoopConfig,
-    NonFiniteLossError,
-    build_optimizer,
-    total_steps,
-    train,
-)
+from rlhf_core.training.loop import NonFiniteLossError, build_optimizer, total_steps, train
+from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import warmup_cosine
 
 VOCAB = 64

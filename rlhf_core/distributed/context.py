@@ -101,7 +101,7 @@ def stage_context(distributed: DistributedConfig) -> RankContext:
             raise RankEnvironmentError(
                 f"distributed.num_processes * num_nodes = {distributed.world_size}, but this process was not "
                 "started by the deepspeed launcher (no WORLD_SIZE): the pipeline's stage tasks launch it, or "
-                "run `deepspeed --num_gpus N --no_local_rank --module rlhf_core.distributed.worker "
+                "run `deepspeed --num_gpus N --no_local_rank --module rlhf_core.stages.worker "
                 "<stage> ...` "
                 "(infra/deepspeed/README.md); set distributed.num_processes: 1 to run in this process"
             )

@@ -1,7 +1,7 @@
 """Start a stage on several processes with the `deepspeed` launcher, stream their logs, report failures.
 
 Why the `deepspeed` launcher (and not `accelerate launch`): the training code already drives DeepSpeed
-engines directly (engine.py), the launcher ships with the deepspeed package the project depends on
+engines directly (rlhf_core/training/deepspeed_update.py), the launcher ships with the deepspeed package the project depends on
 (nothing else to install or configure), and one command covers a single node (`--num_gpus`) and
 several (`--hostfile`, over ssh/pdsh or MPI) with the same flags. `accelerate launch` would add a
 second configuration layer (its own YAML) that would have to agree with params.yaml and the rendered
@@ -31,7 +31,7 @@ from pathlib import Path
 from rlhf_core.config import Config, DistributedConfig
 from rlhf_core.distributed.rank_errors import ERROR_DIR_ENV, read_rank_errors
 
-WORKER_MODULE = "rlhf_core.distributed.worker"
+WORKER_MODULE = "rlhf_core.stages.worker"
 POLL_SECONDS = 0.2
 TAIL_LINES = 40
 LineCallback = Callable[[int | None, str], None]  # (rank, or None for the launcher itself; line)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core.stages.result import METRICS_FILE
+from rlhf_core.layout import METRICS_FILE
 
 CAUSAL_LM_MARKER = "config.json"
 REWARD_MODEL_MARKER = "head_config.json"

@@ -4,6 +4,9 @@ the usual confounders in view.
 - Rates: win, tie and lose rates over the pairs with a valid verdict, each with a 95% Wilson interval;
   invalid verdicts are counted and shown, never folded into a rate.
 - Win minus loss (the promotion gate's figure) with a paired bootstrap interval (statistics.py).
+- With a judge that scores replies (the reward model): the mean over pairs of A's score minus B's, with
+  a paired bootstrap interval. Win/tie/lose counts a narrow and a wide win alike; the score difference
+  says by how much A is preferred, in the judge's own units.
 - Per category (the source file of the prompts, e.g. harmless vs helpful), when there is more than one.
 - Length, the best-known judge bias: the mean reply length of each model in tokens, and the rates over
   the pairs whose lengths are similar (|len_A - len_B| <= SIMILAR_LENGTH_RATIO * max(len_A, len_B)).
@@ -28,8 +31,9 @@ from pydantic import BaseModel
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
-from rlhf_core.evaluation.statistics import (
+from rlhf_core.statistics import (
     DEFAULT_RESAMPLES,
+    bootstrap_mean_interval,
     cohens_kappa,
     paired_bootstrap_interval,
     percent_agreement,
@@ -49,6 +53,7 @@ class JudgedPair:
     tokens_a: int
     tokens_b: int
     verdict: Verdict
+    score_diff: float | None = None  # the judge's score of A's reply minus B's; None: the judge gives no scores
 
 
 class Rate(BaseModel):
@@ -72,6 +77,15 @@ class OutcomeSummary(BaseModel):
     tie: Rate | None
     lose: Rate | None
     win_minus_loss: Rate | None
+
+
+class ScoreDifference(BaseModel):
+    """The mean over pairs of the judge's score of A's reply minus B's, and its 95% paired bootstrap interval."""
+
+    pairs: int
+    mean: float
+    low: float
+    high: float
 
 
 class LengthSummary(BaseModel):
@@ -125,11 +139,21 @@ class EvaluationReport(BaseModel):
     length: LengthSummary
     agreement: list[Agreement]
     alignment_tax: AlignmentTaxSummary | None
+    score_diff: ScoreDifference | None = None  # None: the judge gives no scores (LLM, people)
 
     def metrics(self) -> dict[str, float]:
         """The flat figures of metrics.json (undefined ones left out)."""
         figures: dict[str, float] = {"prompts": float(self.prompts), "judge_in_sample": float(self.judge.in_sample)}
         figures.update(_outcome_figures("", self.overall))
+        if self.score_diff is not None:
+            figures.update(
+                {
+                    "score_diff_mean": self.score_diff.mean,
+                    "score_diff_low": self.score_diff.low,
+                    "score_diff_high": self.score_diff.high,
+                    "score_diff_pairs": float(self.score_diff.pairs),
+                }
+            )
         for name, summary in self.by_category.items():
             figures.update(_outcome_figures(f"category/{name}/", summary))
         figures["mean_tokens_a"] = self.length.mean_tokens_a
@@ -199,6 +223,17 @@ def summarise_outcomes(verdicts: Sequence[Verdict], seed: int, resamples: int = 
             "win_minus_loss": Rate(rate=(wins - losses) / len(valid), low=low, high=high),
         }
     )
+
+
+def summarise_score_differences(
+    pairs: Sequence[JudgedPair], seed: int, resamples: int = DEFAULT_RESAMPLES
+) -> ScoreDifference | None:
+    """Mean and bootstrap interval of the per-pair score differences; None when no pair has scores."""
+    differences = [pair.score_diff for pair in pairs if pair.score_diff is not None]
+    if not differences:
+        return None
+    low, high = bootstrap_mean_interval(differences, CONFIDENCE, resamples, seed)
+    return ScoreDifference(pairs=len(differences), mean=sum(differences) / len(differences), low=low, high=high)
 
 
 def is_similar_length(tokens_a: int, tokens_b: int, ratio: float = SIMILAR_LENGTH_RATIO) -> bool:
@@ -287,6 +322,7 @@ def build_report(
             judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
         ],
         alignment_tax=tax,
+        score_diff=summarise_score_differences(pairs, seed, resamples),
     )
 
 
@@ -305,6 +341,18 @@ def _outcome_row(label: str, summary: OutcomeSummary) -> str:
         f"| {label} | {summary.valid} | {_rate_cell(summary.win)} | {_rate_cell(summary.tie)} | "
         f"{_rate_cell(summary.lose)} | {_rate_cell(summary.win_minus_loss, signed=True)} | {summary.invalid} |"
     )
+
+
+def _score_diff_lines(difference: ScoreDifference | None) -> list[str]:
+    if difference is None:
+        return []
+    return [
+        "",
+        (
+            f"Judge score of A's reply minus B's, per pair: mean {difference.mean:+.4g} (95% paired bootstrap "
+            f"interval {difference.low:+.4g} to {difference.high:+.4g}) over {difference.pairs} pairs."
+        ),
+    ]
 
 
 def render_markdown(report: EvaluationReport) -> str:
@@ -340,6 +388,7 @@ def render_markdown(report: EvaluationReport) -> str:
         _outcome_row(
             f"similar length (within {report.length.similar_length_ratio:.0%})", report.length.similar_length
         ),
+        *_score_diff_lines(report.score_diff),
         "",
         f"Mean reply length: A {report.length.mean_tokens_a:.1f} tokens, B {report.length.mean_tokens_b:.1f} tokens.",
     ]

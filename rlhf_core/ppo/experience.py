@@ -1,7 +1,8 @@
 """One PPO rollout batch: what was sampled, how every model judged it, and what PPO learns from it.
 
-An `Experience` is built once per iteration by `trainer.make_experience` and then only read: the
-update takes mini- and micro-batches of its rows with `select`, the monitors summarise it. Two spaces:
+An `Experience` is built once per iteration by `ExperienceMaker.make_experience` (experience_maker.py)
+and then only read: the update takes mini- and micro-batches of its rows with `select`, the monitors
+summarise it. Two spaces:
 
 - prompt space ``[B, P]``: the prompts, LEFT-padded so that every response starts at column ``P``
   (the layout batched generation needs);
@@ -24,7 +25,7 @@ class Experience:
     """A rollout batch of B prompts with one sampled response each (paper section 5, Figure 1).
 
     The first ten fields come from generation and the no-grad scoring passes, the next five are
-    derived from them by `trainer.assemble_experience` (paper 5.3.1 and 3.2); the last one is a cache
+    derived from them by `recipe.assemble_experience` (paper 5.3.1 and 3.2); the last one is a cache
     of the scoring passes' shared work, not data.
     """
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlhf_core.evaluation.statistics import wilson_interval
+from rlhf_core.statistics import wilson_interval
 
 
 @dataclass(frozen=True)

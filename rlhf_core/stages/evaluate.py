@@ -49,6 +49,7 @@ from rlhf_core.evaluation.outputs import (
     write_jsonl,
 )
 from rlhf_core.evaluation.plots import plot_win_tie_lose
+from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
 from rlhf_core.evaluation.report import JudgedPair, build_report, render_markdown
 from rlhf_core.models.base import DTYPES
@@ -213,7 +214,14 @@ def run_evaluate(
 
     report = build_report(
         [
-            JudgedPair(item.pair.pair_key, item.pair.category, item.tokens_a, item.tokens_b, judgement.verdict)
+            JudgedPair(
+                item.pair.pair_key,
+                item.pair.category,
+                item.tokens_a,
+                item.tokens_b,
+                judgement.verdict,
+                judgement.score_diff,
+            )
             for item, judgement in zip(generated, judgements)
         ],
         info,
@@ -224,7 +232,8 @@ def run_evaluate(
         other_judges=others,
     )
     atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
-    atomic_write_text(out_dir / REPORT_MD, render_markdown(report))
+    evidence = ppo_evidence_markdown(Path(model_a))
+    atomic_write_text(out_dir / REPORT_MD, render_markdown(report) + (f"\n{evidence}" if evidence else ""))
     plot_win_tie_lose(report, out_dir / PLOT_FILE)
     metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
     logger.log_metrics({"progress": 1.0}, step=4)

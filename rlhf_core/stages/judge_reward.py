@@ -14,7 +14,7 @@ no training pair with it:
 - with every other `reward` setting (lr, steps, batches, LoRA, ...) as the policy reward model has.
 
 It is `run_train_rm` (stages/reward.py) with those two differences, in one process only: the deepspeed
-worker (rlhf_core/distributed/worker.py) launches the sft, reward and ppo stages, not this one.
+worker (rlhf_core/stages/worker.py) launches the sft, reward and ppo stages, not this one.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ Outputs in `out_dir`:
 Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs `run_ppo`; the batch
 settings are per rank (rlhf_core/ppo/trainer.py) and only rank 0 writes the outputs above.
 
-Rerunning with the same `out_dir` resumes from the newest checkpoint. A run stopped by the collapse
+Rerunning with the same `out_dir` resumes from the newest checkpoint when the settings, the seed, the
+data and the SFT and reward models (by content hash) are those `checkpoints/run_inputs.json` records;
+otherwise it refuses before touching the output, naming what differs. A run stopped by the collapse
 guard is still a completed stage: its output is the best policy validated before the stop.
 """
 
@@ -41,7 +43,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import Config
-from rlhf_core.data.prepare import load_split
+from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.layout import SELECTION_FILE
 from rlhf_core.distributed.context import stage_context
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.chat import end_of_turn_id
@@ -50,26 +53,26 @@ from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.ppo.monitors import SampleTable
 from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
 from rlhf_core.ppo.rollout import RewardModelScorer
-from rlhf_core.ppo.trainer import (
-    BEST_DIR,
-    VALIDATED_DIR,
-    FitResult,
-    PPOData,
-    PPOModels,
-    PPOTrainer,
-    fit,
-    validated_dir,
-)
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
+from rlhf_core.ppo.validation import BEST_DIR, VALIDATED_DIR, validated_dir
 from rlhf_core.stages.result import (
     METRICS_FILE,
     StageResult,
     read_metrics,
     write_metrics,
 )
+from rlhf_core.stages.training_run import (
+    RunInputs,
+    check_resumable,
+    file_sha256,
+    record_run_inputs,
+    stage_lock,
+    stage_settings,
+)
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger
 
 GUARD_STOP_FILE = "guard_stop.txt"
-SELECTION_FILE = "selection.json"
 SELECTION_RULE = (
     "the latest validated policy within the KL bound (ppo.guard.max_kl), unless an earlier one is better by "
     "more than 2 paired standard errors of the per-prompt reward on the held-out PPO validation prompts"
@@ -216,7 +219,33 @@ def _clear_completion_markers(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
+def ppo_run_inputs(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path) -> RunInputs:
+    """What a PPO run depends on, checked before it resumes checkpoints (`check_resumable`): the ppo
+    and model settings, the seed, the prepared data, and the SFT and reward models by content hash."""
+    return RunInputs(
+        stage_settings(config, "ppo"),
+        {
+            "data": file_sha256(data_dir / REPORT_FILE),
+            "SFT model": model_dir_sha256(sft_dir / "model"),
+            "reward model": model_dir_sha256(rm_dir / "model"),
+        },
+    )
+
+
 def run_ppo(
+    config: Config,
+    data_dir: Path,
+    sft_dir: Path,
+    rm_dir: Path,
+    out_dir: Path,
+    logger: MetricsLogger | None = None,
+) -> StageResult:
+    """`_run_ppo` holding the output lock for the whole stage (rlhf_core/output_lock.py)."""
+    with stage_lock(out_dir, "ppo"):
+        return _run_ppo(config, data_dir, sft_dir, rm_dir, out_dir, logger)
+
+
+def _run_ppo(
     config: Config,
     data_dir: Path,
     sft_dir: Path,
@@ -239,8 +268,12 @@ def run_ppo(
         config.distributed.bf16,
         config.distributed,
     )
+    inputs = ppo_run_inputs(config, data_dir, sft_dir, rm_dir)
+    check_resumable(out_dir / "checkpoints", inputs)  # before the output is touched: a refusal leaves it as it was
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
+    if context.is_main:
+        record_run_inputs(out_dir / "checkpoints", inputs)
     if not context.is_main:  # the other ranks train alongside and write nothing
         result = fit(trainer, out_dir / "checkpoints")
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
@@ -257,7 +290,7 @@ def run_ppo(
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
     copy_best_policy(out_dir / "checkpoints", out_dir / "model")
     prune_validated(out_dir / "checkpoints", result.selection.step)
-    atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection_record(result, trainer.val_prompt_names), indent=2) + "\n")
+    atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection_record(result, trainer.validator.prompt_names), indent=2) + "\n")
     rows = read_history(out_dir / "history.jsonl")
     plot_figure_4(rows, out_dir / "plots")
     plot_validation_gain(result.validations, result.selection.step, out_dir / "plots" / "validation_gain.png")

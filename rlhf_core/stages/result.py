@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.atomic import atomic_write_text
-
-METRICS_FILE = "metrics.json"
+from rlhf_core.layout import METRICS_FILE
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def publish_checkpoint(root: Path, temporary: Path, step: int, keep: int | None)
     """Mark a fully written (and fsynced) temporary checkpoint complete and rename it to `step-<step>`.
 
     Then keep the newest `keep` complete checkpoints. Shared by the single-process checkpoints above
-    and the DeepSpeed engine checkpoints of a multi-process run (rlhf_core/distributed/checkpoint.py).
+    and the DeepSpeed engine checkpoints of a multi-process run (rlhf_core/training/deepspeed_checkpoint.py).
     """
     final = root / checkpoint_name(step)
     _write_marker(temporary, step)

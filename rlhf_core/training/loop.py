@@ -25,7 +25,7 @@ Several ranks (a stage started by the `deepspeed` launcher, rlhf_core/distribute
 the GLOBAL batch and each rank trains every `world_size`-th micro-batch of each step
 (`distributed.sharding`). `totals` are summed over all ranks before any forward pass, so each rank's
 loss is its share of the global step's mean; a DeepSpeed engine sums the ranks' gradients (see
-`distributed.engine`), and the logged metrics are summed over ranks too. W ranks with a plan of
+`training.deepspeed_update`), and the logged metrics are summed over ranks too. W ranks with a plan of
 `W * A` micro-batches per step therefore apply the same update as one process with that plan. Every
 rank validates (on the same batches: with ZeRO-3 a forward pass needs all ranks), only rank 0 logs,
 shows progress and calls `on_best`.
@@ -40,7 +40,6 @@ from typing import Any, Callable, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 from torch.optim import AdamW
 from tqdm.auto import tqdm
@@ -53,38 +52,14 @@ from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.training.batching import BatchPlan
 from rlhf_core.training.checkpoint import TrainingState, checkpoint_step, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
+from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.precision import autocast
-from rlhf_core.training.schedules import ScheduleName
 from rlhf_core.training.update import LocalUpdate, ModelUpdate, NonFiniteLossError, build_adamw
 
 log = logging.getLogger(__name__)
 Batch = TypeVar("Batch")
 UnitCounts = dict[str, int]
 Metrics = dict[str, float]
-
-
-class LoopConfig(BaseModel):
-    """Everything the loop itself needs; batch shape lives in the `BatchPlan`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    epochs: float = Field(1.0, gt=0, description="Passes over the plan (fractions allowed).")
-    max_steps: int | None = Field(None, gt=0, description="Caps the optimizer steps if set.")
-    lr: float = Field(gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decay; never on biases and norm weights.")
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0)
-    schedule: ScheduleName = "warmup_cosine"
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of all steps spent warming up.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="End of the cosine, as a share of lr.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Global norm clipping; None is off.")
-    checkpoint_every: int | None = Field(None, ge=1, description="None: only the final checkpoint.")
-    keep_checkpoints: int | None = Field(2, ge=1, description="Newest checkpoints kept; None keeps all.")
-    eval_every: int | None = Field(None, ge=1, description="Steps between periodic validations.")
-    eval_batches: int | None = Field(None, ge=1, description="Batches per periodic validation.")
-    seed: int = 0
-    bf16: bool = Field(False, description="bf16 autocast on CUDA; ignored on CPU.")
-    progress_bar: bool = True
 
 
 class SupportsStateDict(Protocol):
@@ -144,7 +119,7 @@ def build_update(
         )
     if distributed is None:
         raise ValueError(f"this process is rank {context.rank} of {context.world_size}: pass `distributed`")
-    from rlhf_core.distributed.engine import DeepSpeedUpdate  # imports deepspeed
+    from rlhf_core.training.deepspeed_update import DeepSpeedUpdate  # imports deepspeed
 
     return DeepSpeedUpdate.for_loop(model, config, plan, total, distributed, context)
 

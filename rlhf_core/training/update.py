@@ -6,7 +6,7 @@ micro-batch's loss to `backward`, and calls `step` once per optimizer step. Two 
 * `LocalUpdate` (here): the single-process default. AdamW and the lr schedule over the trainable
   parameters; `step` clips the global gradient norm and raises `NonFiniteLossError` BEFORE the optimizer
   steps when that norm is NaN or inf.
-* `DeepSpeedUpdate` (rlhf_core/distributed/engine.py): one rank of a multi-process run; a DeepSpeed ZeRO
+* `DeepSpeedUpdate` (rlhf_core/training/deepspeed_update.py): one rank of a multi-process run; a DeepSpeed ZeRO
   engine averages the gradients across ranks, clips and steps.
 
 Both checkpoint through the same atomic layout (checkpoint.py), so resuming works the same way.

@@ -90,12 +90,12 @@ def main() -> None:
                 "generated_columns": int(experience.response_ids.shape[1]),
             }
         )
-    prompt_ids, prompt_mask = left_pad(trainer.next_prompts(), trainer.pad_id)
+    prompt_ids, prompt_mask = left_pad(trainer.maker.next_prompts(), trainer.maker.pad_id)
     with torch.no_grad():  # the control: the partitioned policy, layer by layer, every rank in step
         control = policy.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            generation_config=sampling_config(config.ppo.rollout, trainer.stop_ids, trainer.pad_id),
+            generation_config=sampling_config(config.ppo.rollout, trainer.maker.stop_ids, trainer.maker.pad_id),
             synced_gpus=True,
         )
     result = {

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from rlhf_core.training import checkpoint
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.logger import JsonlLogger, MultiLogger
-from rlhf_core.training.loop import LoopConfig, train
+from rlhf_core.training.loop import train
+from rlhf_core.training.loop_config import LoopConfig
 
 VOCAB = 16
 PAD = -100

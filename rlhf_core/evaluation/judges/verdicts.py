@@ -56,6 +56,14 @@ class Judgement:
     verdict: Verdict
     detail: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def score_diff(self) -> float | None:
+        """The judge's score of A's reply minus B's (`score_a`, `score_b` of the detail: the reward-model
+        judge); None for a judge that gives verdicts without scores."""
+        if "score_a" not in self.detail or "score_b" not in self.detail:
+            return None
+        return float(self.detail["score_a"]) - float(self.detail["score_b"])
+
 
 @dataclass(frozen=True)
 class JudgeInfo:

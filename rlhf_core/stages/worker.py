@@ -1,10 +1,10 @@
-"""The program every rank of a launched stage runs: `python -m rlhf_core.distributed.worker <stage> ...`.
+"""The program every rank of a launched stage runs: `python -m rlhf_core.stages.worker <stage> ...`.
 
 `launcher.py` starts it under the `deepspeed` launcher; it can also be started by hand (multi-node
 runs, debugging), for example
 
     rlhf config show -c configs/paper-7b.yaml > resolved.yaml
-    deepspeed --num_gpus 8 --no_local_rank --module rlhf_core.distributed.worker \
+    deepspeed --num_gpus 8 --no_local_rank --module rlhf_core.stages.worker \
         sft --config resolved.yaml --data-dir artifacts/data --out artifacts/sft
 
 `--config` is a fully resolved configuration (YAML or JSON, as `rlhf config show` prints it), validated
@@ -34,7 +34,7 @@ LOG_LEVEL_ENV = "RLHF_LOG_LEVEL"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The stage and its inputs; which directories a stage needs is checked in `run_stage`."""
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.distributed.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.stages.worker", description=__doc__)
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--config", type=Path, required=True, help="A fully resolved configuration file.")
     parser.add_argument("--data-dir", type=Path, required=True, help="The prepare-data output.")

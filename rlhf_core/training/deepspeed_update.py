@@ -26,12 +26,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_core.config import DistributedConfig
-from rlhf_core.distributed.checkpoint import restore_engine_checkpoint, save_engine_checkpoint
+from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config
 from rlhf_core.training.batching import BatchPlan
 from rlhf_core.training.checkpoint import TrainingState
-from rlhf_core.training.loop import LoopConfig
+from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import NonFiniteLossError, parameter_groups
 

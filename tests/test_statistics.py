@@ -1,4 +1,5 @@
-"""Wilson intervals, the paired bootstrap of win minus loss, percent agreement and Cohen's kappa."""
+"""Wilson intervals, the paired bootstrap of win minus loss and of a mean score difference, percent agreement and
+Cohen's kappa."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from rlhf_core.evaluation.statistics import (
+from rlhf_core.statistics import (
+    bootstrap_mean_interval,
     cohens_kappa,
     normal_quantile,
     paired_bootstrap_interval,
@@ -56,7 +58,7 @@ def test_normal_quantile() -> None:
 # ---- paired bootstrap
 
 
-def bootstrap_by_loop(outcomes: list[int], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
+def bootstrap_by_loop(outcomes: list[float], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
     """Reference: the same draws taken one resample at a time, the quantiles by sorting."""
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(outcomes), size=(resamples, len(outcomes)))
@@ -110,6 +112,25 @@ def test_bootstrap_keeps_the_pairing() -> None:
     assert low == pytest.approx(-0.196, abs=0.01)
     assert high == pytest.approx(0.196, abs=0.01)
     assert high > 0.139 + 0.03
+
+
+def test_bootstrap_of_a_mean_score_difference_matches_a_plain_loop() -> None:
+    differences = [0.8, -0.25, 1.5, 0.0, 0.3, -1.1, 2.25, 0.4, 0.05, -0.6, 0.9]
+    assert bootstrap_mean_interval(differences, 0.95, resamples=700, seed=5) == pytest.approx(
+        bootstrap_by_loop(differences, 0.95, 700, 5), abs=1e-12
+    )
+    # Win minus loss is the special case of outcomes in {-1, 0, +1}: the same draws, the same interval.
+    outcomes = [1, 0, -1, 1, 1, 0, 1]
+    assert bootstrap_mean_interval(outcomes, resamples=300, seed=2) == paired_bootstrap_interval(
+        outcomes, resamples=300, seed=2
+    )
+
+
+def test_bootstrap_of_a_mean_rejects_empty_or_non_finite_values() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        bootstrap_mean_interval([])
+    with pytest.raises(ValueError, match="finite"):
+        bootstrap_mean_interval([0.5, math.nan])
 
 
 def test_bootstrap_rejects_bad_outcomes() -> None:

@@ -6,6 +6,9 @@
 - `paired_bootstrap_interval`: an interval for win rate minus lose rate. Wins and losses come from the
   SAME pairs (a pair that is a win cannot also be a loss), so their rates are negatively correlated and
   two separate Wilson intervals cannot be subtracted. Resampling whole pairs keeps that pairing.
+- `bootstrap_mean_interval`: the same percentile bootstrap for the mean of any per-pair value, e.g. the
+  reward-model judge's score of A's reply minus B's: how much better A scores, not only how often. The
+  two scores of a pair are on the same prompt, so the difference is taken per pair before resampling.
 - `percent_agreement` and `cohens_kappa`: how far two judges (LLM, reward model, people) agree on the
   same pairs; kappa discounts the agreement two judges would reach by chance given how often each
   gives each verdict.
@@ -54,35 +57,53 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
     return low, high
 
 
+def bootstrap_mean_interval(
+    values: Sequence[float] | np.ndarray,
+    confidence: float = 0.95,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` [N], one value per pair.
+
+    Each of `resamples` resamples draws N pairs with replacement (row r uses
+    `rng.integers(0, N, size=(resamples, N))[r]`, rng = numpy's default generator seeded with `seed`);
+    the interval is the (1 - confidence) / 2 and (1 + confidence) / 2 quantiles (numpy's default linear
+    interpolation) of the resampled means.
+    """
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"values must be a non-empty 1-d sequence, got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError("values must be finite")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    rng = np.random.default_rng(seed)
+    indices = rng.integers(0, array.size, size=(resamples, array.size))
+    means = array[indices].mean(axis=1)  # [resamples]
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(low), float(high)
+
+
 def paired_bootstrap_interval(
     outcomes: Sequence[int] | np.ndarray,
     confidence: float = 0.95,
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of win rate minus lose rate.
+    """Percentile bootstrap interval of win rate minus lose rate (`bootstrap_mean_interval` of the outcomes).
 
     `outcomes` [N] holds one value per judged pair: +1 (model A won), 0 (tie), -1 (model B won), so
-    win rate - lose rate = mean(outcomes). Each of `resamples` resamples draws N pairs with replacement
-    (row r uses `rng.integers(0, N, size=(resamples, N))[r]`, rng = numpy's default generator seeded
-    with `seed`); the interval is the (1 - confidence) / 2 and (1 + confidence) / 2 quantiles (numpy's
-    default linear interpolation) of the resampled means.
+    win rate - lose rate = mean(outcomes).
     """
     values = np.asarray(outcomes, dtype=np.float64)
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"outcomes must be a non-empty 1-d sequence, got shape {values.shape}")
     if not np.isin(values, (-1.0, 0.0, 1.0)).all():
         raise ValueError("outcomes must be +1 (A won), 0 (tie) or -1 (B won)")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    rng = np.random.default_rng(seed)
-    indices = rng.integers(0, values.size, size=(resamples, values.size))
-    means = values[indices].mean(axis=1)  # [resamples]
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return float(low), float(high)
+    return bootstrap_mean_interval(values, confidence, resamples, seed)
 
 
 def _check_paired(first: Sequence[Hashable], second: Sequence[Hashable]) -> None:

@@ -1,12 +1,12 @@
 """PPO's two trained models as DeepSpeed engines on one rank of a multi-process run.
 
-The single-process trainer keeps the policy and the critic in one AdamW with two parameter groups
-(rlhf_core/ppo/trainer.py); under the launcher each gets its own engine, which is what lets each
+The single-process learner keeps the policy and the critic in one AdamW with two parameter groups
+(rlhf_core/ppo/learner.py); under the launcher each gets its own engine, which is what lets each
 clip its own gradient norm (paper 5.3.2: policy and critic are clipped separately) with its own
 learning rate, and under ZeRO-3 partition its own weights. The frozen reference and reward models are
 not engines: they are replicated on every rank (see infra/deepspeed/README.md for their memory).
 
-Gradient scaling is the loop's (engine.py): every micro-batch loss is already normalised by the
+Gradient scaling is the loop's (rlhf_core/training/deepspeed_update.py): every micro-batch loss is already normalised by the
 GLOBAL mini-batch's token count, so `backward` passes `loss * world_size` to an engine that averages
 over ranks, without dividing by the accumulation steps.
 """
@@ -21,10 +21,10 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_core.config import DistributedConfig, PPOConfig
-from rlhf_core.distributed.checkpoint import restore_engine_checkpoint, save_engine_checkpoint
+from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config
-from rlhf_core.distributed.engine import grad_norm_of, initialize_engine, uses_bf16
+from rlhf_core.training.deepspeed_update import grad_norm_of, initialize_engine, uses_bf16
 from rlhf_core.training.checkpoint import TrainingState
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import parameter_groups
@@ -33,7 +33,7 @@ ModelName = Literal["policy", "critic"]
 
 
 class PPOEngines:
-    """The policy's and the critic's engines; `step` returns each stepped engine's gradient norm."""
+    """The policy's and the critic's engines: the `rlhf_core.ppo.learner.Learner` of a launched rank."""
 
     def __init__(
         self,
@@ -81,9 +81,10 @@ class PPOEngines:
         for engine in self.engines.values():
             engine.zero_grad()
 
-    def grad_norms(self, train_policy: bool) -> dict[str, float]:
+    def finish_step(self, train_policy: bool, step: int) -> dict[str, float]:
         """The gradient norms (before clipping) of the engines that just stepped: critic, and policy
-        unless critic-only. Infinite or NaN means the engine skipped that step."""
+        unless critic-only. Each engine has already clipped and stepped in `backward`; infinite or NaN
+        means it skipped that step (the caller's guard then stops the run)."""
         stepped: list[ModelName] = ["critic", "policy"] if train_policy else ["critic"]
         norms = {}
         for name in stepped:
@@ -96,7 +97,7 @@ class PPOEngines:
             norms[f"{name}/grad_norm"] = grad_norm_of(self.engines[name])
         return norms
 
-    def save(self, root: Path, state: TrainingState, keep: int | None) -> Path:
+    def save(self, root: Path, state: TrainingState, keep: int) -> Path:
         return save_engine_checkpoint(root, state, dict(self.engines), keep, self.context)
 
     def restore(self, path: Path) -> TrainingState:
