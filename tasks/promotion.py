@@ -223,7 +223,12 @@ class PromotionResult(BaseModel):
 
 def champion_version(client: MlflowClient, name: str) -> str | None:
     """The version the `champion` alias points at, or None before the first promotion."""
-    return client.get_registered_model(name).aliases.get(CHAMPION_ALIAS)
+    return registered_version(client.get_registered_model(name).aliases.get(CHAMPION_ALIAS))
+
+
+def registered_version(version: str | int | None) -> str | None:
+    """A version number as a string: a tracking server answers strings, a local SQLite store ints."""
+    return None if version is None else str(version)
 
 
 def training_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, float]:
@@ -299,7 +304,11 @@ def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
         raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first") from error
     if CHALLENGER_ALIAS not in aliases:
         raise ValueError(f"{name} has no {CHALLENGER_ALIAS!r} version to promote: run the pipeline first")
-    return Candidates(model=name, challenger=aliases[CHALLENGER_ALIAS], champion=aliases.get(CHAMPION_ALIAS))
+    return Candidates(
+        model=name,
+        challenger=str(registered_version(aliases[CHALLENGER_ALIAS])),
+        champion=registered_version(aliases.get(CHAMPION_ALIAS)),
+    )
 
 
 @task(name="evaluation-inputs", **REGISTRY_TASK_OPTIONS)

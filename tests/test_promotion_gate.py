@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.tiny_ppo import tiny_config
+from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
 from pydantic import ValidationError
 
@@ -15,8 +16,10 @@ from tasks.promotion import (
     JudgeChoice,
     PromotionResult,
     evidence_tags,
+    find_candidates_task,
     gate_checks,
     promotion_judge,
+    registered_version,
     reward_judge_choice,
 )
 from tasks.registry import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
@@ -149,3 +152,20 @@ def test_an_in_sample_judge_is_flagged_in_the_decision_and_its_tags() -> None:
     independent = result.model_copy(update={"judge": reward_judge_choice(None, JUDGED, "r"), "judge_in_sample": False})
     assert evidence_tags(independent)["promotion.judge_in_sample"] == "false"
     assert "IN-SAMPLE" not in independent.markdown()
+
+
+
+def test_candidates_from_a_local_sqlite_store(tmp_path: Path) -> None:
+    """A local SQLite MLflow store answers alias versions as ints (a tracking server as strings)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    config = tiny_config()
+    name = config.tracking.policy_model_name
+    client.create_registered_model(name)
+    for _ in range(2):
+        client.create_model_version(name, source=str(tmp_path))
+    client.set_registered_model_alias(name, "challenger", "2")
+    client.set_registered_model_alias(name, "champion", "1")
+    candidates = find_candidates_task.fn(config, uri)
+    assert (candidates.challenger, candidates.champion) == ("2", "1")
+    assert registered_version(None) is None
