@@ -1,2 +1,77 @@
-# Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py
+"""Fixtures shared by the whole suite.
+
+Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
+Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_core.models.smollm2 import load_smollm2_tokenizer
+
 pytest_plugins = ["fixtures.servers"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    """The real SmolLM2 tokenizer (the tiny models use it too); one per module, so no test sees
+    another module's changes to it."""
+    return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny-tensor tests: no time goes to OpenMP hand-offs, which
+    dominate on a busy 2-core machine, and in-process results match subprocesses run with
+    OMP_NUM_THREADS=1 bit for bit. Opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Programs the standard library runs to inspect the platform (`platform.architecture` runs `file` on the
+# interpreter the first time a library asks): not the test's processes.
+PLATFORM_PROBES = {"file", "uname"}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Fail a test that starts a process without the `slow` mark (`-m "not slow"` must stay quick).
+
+    Counts `subprocess.Popen` and `multiprocessing.Process.start` calls made by the test body itself;
+    fixtures' processes (the servers) are started outside it.
+    """
+    started: list[str] = []
+    original_popen_init = subprocess.Popen.__init__
+    original_process_start = multiprocessing.Process.start
+
+    def popen_init(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+        if Path(str(program)).name not in PLATFORM_PROBES:
+            started.append(str(args)[:120])
+        original_popen_init(self, args, *rest, **kwargs)
+
+    def process_start(self: multiprocessing.Process) -> None:
+        started.append(f"multiprocessing.Process {self.name}")
+        original_process_start(self)
+
+    subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+    multiprocessing.Process.start = process_start  # type: ignore[method-assign]
+    try:
+        result = yield  # raises when the test failed: then that failure is the report
+    finally:
+        subprocess.Popen.__init__ = original_popen_init  # type: ignore[method-assign]
+        multiprocessing.Process.start = original_process_start  # type: ignore[method-assign]
+    if started and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} starts processes but is not marked slow: {started[0]}", pytrace=False)
+    return result

@@ -28,6 +28,7 @@ def hh_pair(number: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_config_show_prints_resolved_yaml() -> None:
     result = rlhf("config", "show", "-c", str(TINY), "-s", "ppo.preset=vanilla")
     assert result.returncode == 0, result.stderr
@@ -35,6 +36,7 @@ def test_config_show_prints_resolved_yaml() -> None:
     assert "value_clip: null" in result.stdout  # the vanilla preset filled the switch
 
 
+@pytest.mark.slow
 def test_bad_config_is_one_line_on_stderr_with_status_2() -> None:
     result = rlhf("config", "show", "-s", "sft.lr=-1")
     assert result.returncode == 2
@@ -42,6 +44,7 @@ def test_bad_config_is_one_line_on_stderr_with_status_2() -> None:
     assert len(lines) == 1 and lines[0].startswith("rlhf: error: invalid configuration: sft.lr")
 
 
+@pytest.mark.slow
 def test_prepare_data_writes_splits_report_and_metrics(tmp_path: Path) -> None:
     data = tmp_path / "pairs.jsonl"
     rows = [json.dumps(hh_pair(i)) for i in range(40)] + ["{broken"]
@@ -56,6 +59,7 @@ def test_prepare_data_writes_splits_report_and_metrics(tmp_path: Path) -> None:
     assert {p.name for p in out.iterdir()} >= {"data_report.json", "metrics.json", "sft.parquet"}
 
 
+@pytest.mark.slow
 def test_prepare_data_accepts_a_directory_of_files(tmp_path: Path) -> None:
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -68,6 +72,7 @@ def test_prepare_data_accepts_a_directory_of_files(tmp_path: Path) -> None:
     assert report["pairs_kept"] == 25
 
 
+@pytest.mark.slow
 def test_missing_data_file_fails_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = rlhf("prepare-data", "-c", str(TINY), "--data", str(tmp_path / "nope.jsonl"), "--out", str(out))
@@ -77,6 +82,7 @@ def test_missing_data_file_fails_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not SHARED_PAIRS.is_file(), reason="shared HH-RLHF pairs not present")
+@pytest.mark.slow
 def test_prepare_data_on_the_shared_hh_pairs(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = rlhf("prepare-data", "--data", str(SHARED_PAIRS), "--out", str(out))
@@ -88,6 +94,7 @@ def test_prepare_data_on_the_shared_hh_pairs(tmp_path: Path) -> None:
     assert report["split_counts"]["rm_val"] >= 300  # issue 3 reports RM accuracy on >= 300 pairs
 
 
+@pytest.mark.slow
 def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_output(tmp_path: Path) -> None:
     data = tmp_path / "bad.jsonl"
     rows = [json.dumps(hh_pair(0)), json.dumps({"chosen": 3, "rejected": "x"}), json.dumps({"question": "hi"})]
@@ -114,6 +121,7 @@ def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_
 
 
 @pytest.mark.parametrize("where", ["raw/pairs", "./pairs", "a/b/pairs"])
+@pytest.mark.slow
 def test_a_missing_local_path_is_named_and_not_looked_up_on_the_hub(tmp_path: Path, where: str) -> None:
     (tmp_path / "raw").mkdir()
     out = tmp_path / "out"

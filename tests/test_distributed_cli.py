@@ -9,15 +9,18 @@ from pathlib import Path
 import pytest
 import typer
 from fixtures.distributed_runs import free_port
-from fixtures.tiny_ppo import hh_pair, one_thread, tiny_config  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import hh_pair, tiny_config
 from typer.testing import CliRunner
 
 from rlhf_cli import stage_commands
 from rlhf_core.stages.prepare_data import run_prepare_data
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_sft_command_launches_the_configured_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

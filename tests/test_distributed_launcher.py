@@ -53,6 +53,7 @@ def test_multi_node_command_names_the_hostfile(tmp_path: Path) -> None:
     assert command[command.index("--master_addr") + 1] == "10.0.0.1"
 
 
+@pytest.mark.slow
 def test_failing_rank_is_named_with_its_message_and_every_rank_is_streamed(tmp_path: Path) -> None:
     lines: list[tuple[int | None, str]] = []
     with pytest.raises(RankFailedError) as raised:

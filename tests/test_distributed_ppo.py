@@ -25,10 +25,12 @@ from fixtures.distributed_runs import (
     free_port,
     read_history,
 )
-from fixtures.tiny_ppo import StageInputs, one_thread, tiny_config, write_stage_inputs  # noqa: F401
+from fixtures.tiny_ppo import StageInputs, tiny_config, write_stage_inputs  # noqa: F401
 
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.ppo import run_ppo
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-4
 COMMON = [
@@ -60,6 +62,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
     return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
+@pytest.mark.slow
 def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     inputs: StageInputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,11 +24,13 @@ from fixtures.distributed_runs import (
     free_port,
     read_history,
 )
-from fixtures.tiny_ppo import hh_pair, one_thread, tiny_config  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import hh_pair, tiny_config
 
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.sft import run_sft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-5
 GRAD_NORM_RELATIVE = 1e-4
@@ -45,6 +47,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+@pytest.mark.slow
 def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -200,6 +200,7 @@ def test_only_prepared_data_is_cached_and_everything_lies_in_the_stage_directory
         "artifacts/sft/model", "artifacts/reward/model", "artifacts/judge_reward/model", "artifacts/ppo/model"
     ]
     assert [out.def_path for stage in stages.values() for out in stage.outs if out.plot] == [
+        "artifacts/sft/plots/sft_curves.png",
         "artifacts/reward/plots/reward_margin_hist.png",
         "artifacts/judge_reward/plots/reward_margin_hist.png",
         "artifacts/ppo/plots",

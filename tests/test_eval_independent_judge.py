@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.pairs import write_topic_pairs
-from fixtures.tiny_ppo import one_thread, tiny_config, write_stage_inputs  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import tiny_config, write_stage_inputs
 from mlflow import MlflowClient
 
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
@@ -38,6 +38,9 @@ from tasks.registry import (
     PIPELINE_RUN_TAG,
     STAGE_RUN_TAG,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT = (

@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import (  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import (
     StageInputs,
-    one_thread,
     save_rm_output,
     tiny_config,
     write_stage_inputs,
@@ -39,7 +38,7 @@ from tasks.outputs import StageOutput, output_sha256
 from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, register
 from tasks.stages import StageContext
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = "eval-pipeline-tests"

@@ -11,15 +11,10 @@ from rlhf_core.evaluation.judges.reward_model import RewardModelJudge, margin_ve
 from rlhf_core.evaluation.judges.verdicts import EvalPair, Verdict
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import RewardModel
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.stages.result import write_metrics
 
 BIAS = 0.5
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tiny_model()[1]
 
 
 @pytest.fixture(scope="module")

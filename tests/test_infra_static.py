@@ -279,6 +279,7 @@ def service_host(url: str) -> str:
 # --- env file and git ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_env_file_is_git_ignored_and_the_example_is_not() -> None:
     def ignored(path: str) -> bool:
         return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
@@ -287,6 +288,7 @@ def test_env_file_is_git_ignored_and_the_example_is_not() -> None:
     assert not ignored("infra/.env.example")
 
 
+@pytest.mark.slow
 def test_env_files_are_git_ignored_wherever_they_are_and_examples_are_not() -> None:
     def ignored(path: str) -> bool:
         return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
@@ -307,6 +309,7 @@ def check_credentials(values: dict[str, str], raw_compose: dict[str, Any]) -> su
     )
 
 
+@pytest.mark.slow
 def test_the_stack_refuses_to_start_with_the_examples_placeholder_credentials(
     env_example: dict[str, str], raw_compose: dict[str, Any], services: dict[str, Any]
 ) -> None:

@@ -17,7 +17,6 @@ from rlhf_core.models.chat import (
     reply_end_positions,
     stop_generation_at_end_of_turn,
 )
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 
 SMOLLM2_SYSTEM = (
@@ -29,11 +28,6 @@ DIALOGUE = [
     {"role": "user", "content": "And of Italy?"},
 ]
 REPLY = "The capital of Italy is Rome."
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.saving import HEAD_CONFIG_FILE, LM_HEAD_WEIGHTS_FILE
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 
 DIALOGUES = [
     ([{"role": "user", "content": "Hi"}], "Hello! How can I help?"),
@@ -21,11 +21,6 @@ DIALOGUES = [
       {"role": "user", "content": "Another one?"}], "Red."),
     ([{"role": "user", "content": "Count to three."}], "One, two, three, and then four, five and six."),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 @pytest.fixture(scope="module")

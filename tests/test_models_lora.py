@@ -18,7 +18,6 @@ import pytest
 import torch
 from fixtures.tiny_ppo import (  # noqa: F401
     StageInputs,
-    one_thread,
     tiny_config,
     write_stage_inputs,
 )
@@ -43,6 +42,8 @@ from rlhf_core.ppo.trainer import PPOTrainer
 from rlhf_core.stages.ppo import load_ppo_data, load_ppo_models, run_ppo
 from rlhf_core.stages.reward import run_train_rm
 from rlhf_core.stages.sft import run_sft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Fixed and small so the adapters move visibly in three steps; dropout > 0 so merging must ignore it.
 LORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.1)

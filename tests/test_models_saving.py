@@ -6,20 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.chat import render_prompt
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.saving import save_causal_lm
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 
 DIALOGUE = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 def test_causal_lm_round_trip_keeps_weights_template_and_stop_token(tokenizer, tmp_path: Path) -> None:

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.chat import end_of_turn_id
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 def test_tiny_model_has_the_tiny_shape_and_the_real_vocabulary(tokenizer: PreTrainedTokenizerBase) -> None:

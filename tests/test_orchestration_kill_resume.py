@@ -10,14 +10,13 @@ lease is set to its 60-second minimum here).
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.pairs import write_topic_pairs
 from rlhf_core.training.checkpoint import complete_checkpoints
 
@@ -44,18 +43,6 @@ def run_command(data: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def wait_for_ppo_checkpoint(process: subprocess.Popen, runs_dir: Path, log: Path) -> Path:
-    """The PPO output directory, once it holds a complete checkpoint (the process still running)."""
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the pipeline ended before PPO wrote a checkpoint:\n{log.read_text()[-3000:]}"
-        for ppo_dir in runs_dir.glob("*/ppo"):
-            if complete_checkpoints(ppo_dir / "checkpoints"):
-                return ppo_dir
-        time.sleep(0.2)
-    raise AssertionError("PPO wrote no checkpoint in time")
-
-
 def summary_lines(output: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in output.splitlines() if ": " in line and not line.startswith(" "))
 
@@ -69,18 +56,7 @@ def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "RLHF_TRAINING_LEASE_SECONDS": "60",
     }
-    log = tmp_path / "killed.log"
-    with log.open("w") as output:
-        killed = subprocess.Popen(
-            run_command(data), cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        ppo_dir = wait_for_ppo_checkpoint(killed, tmp_path / "runs", log)
-    finally:
-        if killed.poll() is None:
-            os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
+    ppo_dir = kill_at_first_checkpoint(run_command(data), tmp_path, env, tmp_path / "runs", "*/ppo", START_DEADLINE_S)
     checkpointed = [int(path.name.split("-")[1]) for path in complete_checkpoints(ppo_dir / "checkpoints")]
     assert not (ppo_dir / "metrics.json").exists()
 

@@ -174,6 +174,7 @@ def test_pipeline_settings_form_lists_every_field_and_stage() -> None:
         PipelineSettings.model_validate({"stage": ["sft"]})  # a typo is an error, not ignored
 
 
+@pytest.mark.slow
 def test_lineage_hashes(tmp_path: Path, tiny_config) -> None:
     assert git_state(tmp_path) == ("unknown", None)
     commit, dirty = git_state(REPO)
@@ -204,6 +205,7 @@ def test_summary_markdown_names_output_hash_run_and_metrics(tmp_path: Path) -> N
     assert "| kl | 0.0123456 |" in text and "| reward | 1 |" in text
 
 
+@pytest.mark.slow
 def test_dvc_tracked_data_is_versioned_by_its_dvc_md5(tmp_path: Path, tiny_config) -> None:
     import subprocess
     import sys

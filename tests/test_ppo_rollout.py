@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.tiny_ppo import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,
     generate_responses,
@@ -28,6 +27,8 @@ from rlhf_core.ppo.rollout import (
 )
 from rlhf_core.ppo.sequences import joined_sequence
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     [{"role": "user", "content": "Hi"}],
     [
@@ -38,11 +39,6 @@ PROMPTS = [
     [{"role": "user", "content": "Count to three."}],
 ]
 REPLIES = ["Hello there!", "Red, and also green, blue, yellow and purple.", "One, two, three"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from fixtures.tiny_ppo import (  # noqa: F401
     ROOT,
     TINY,
     StageInputs,
-    one_thread,
     tiny_config,
     write_stage_inputs,
 )
@@ -30,6 +29,8 @@ from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.stages.evaluate import run_evaluate
 from rlhf_core.stages.ppo import load_ppo_models, run_ppo
 from rlhf_core.training.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 RESUME_SETTINGS = ["-s", "ppo.steps=6", "-s", "ppo.checkpoint_every=2", "-s", "ppo.eval_every=3"]
 
@@ -176,6 +177,7 @@ def kill_after_step(process: subprocess.Popen[str], out: Path, step: int, delay:
     process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_rerun_after_sigkill_resumes_exactly(inputs: StageInputs, tmp_path: Path) -> None:
     """No step twice in the history, and the same final weights and monitors as an uninterrupted run."""
     rng = random.Random(4)

@@ -20,19 +20,20 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.heads import Critic
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.ptx import collate_ptx, ptx_nll_sum
 from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
 from rlhf_core.ppo.validation import BEST_DIR
 from rlhf_core.training.logger import JsonlLogger
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORDS = [" apple", " banana", " cherry", " grape", " lemon", " mango", " peach", " plum", " kiwi", " yes"]
 REWARDED = WORDS[:3]
@@ -63,11 +64,6 @@ class TokenRuleScorer:
 
 def fruit_reply(rng: random.Random) -> str:
     return "".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +119,7 @@ def run(
             "critic_lr": 1e-3,
             "max_prompt_tokens": 64,
             "val_prompts": len(EVAL_PROMPTS),
+            "trainable_top_layers": None,
             "eval_every": 100,
             "checkpoint_every": 100,
             "keep_checkpoints": 100,

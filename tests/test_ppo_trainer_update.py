@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.rollout import RewardModelScorer
 from rlhf_core.ppo import update as update_module
@@ -22,16 +21,13 @@ from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     [{"role": "user", "content": f"Tell me something about the number {i}." + " Please!" * i}]
     for i in range(8)
 ]
 SFT = [([{"role": "user", "content": f"Say {i}."}], f"I say {i}, then {i + 1}.") for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 def make_trainer(
@@ -44,11 +40,13 @@ def make_trainer(
             "rollout_batch_size": 4,
             "mini_batch_size": 4,
             "micro_batch_size": 4,
+            "ppo_epochs": 1,
             "policy_lr": 1e-3,
             "critic_lr": 1e-3,
             "critic_pretrain_steps": 0,
             "max_prompt_tokens": 64,
             "val_prompts": 2,
+            "trainable_top_layers": None,
             "rollout": {"max_new_tokens": 6, "temperature": 0.7},
             **settings,
         }

@@ -8,7 +8,6 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.config import RewardConfig
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.chat import end_of_turn_id, reply_end_positions
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.reward.batch import collate_pairs, encode_pairs, padded_pair_length
 from rlhf_core.sft.batch import IGNORE_INDEX
 from rlhf_core.stages.reward import pair_batch_plan
@@ -40,11 +39,6 @@ PAIRS = [
         line=3,
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -6,28 +6,19 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import score_pair_file
 from rlhf_core.stages.sft import run_sft
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rlhf(*args: str) -> subprocess.CompletedProcess[str]:
@@ -57,6 +48,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_train_rm_then_score_pairs(workspace: Path) -> None:
     trained = rlhf(
         "train-rm",

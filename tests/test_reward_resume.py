@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,13 @@ from safetensors.torch import load_file
 from rlhf_core.config import Config, load_config
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import run_train_rm
-from rlhf_core.training.checkpoint import TEMPORARY_PREFIX, checkpoint_step, latest_checkpoint
+from rlhf_core.training.checkpoint import (
+    TEMPORARY_PREFIX,
+    checkpoint_step,
+    latest_checkpoint,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -43,15 +48,6 @@ SETTINGS = (
     "reward.eval_batches=100",
     "reward.trainable_top_layers=1",
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Same thread count as the subprocess (OMP_NUM_THREADS=1), so both compute the same bits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config() -> Config:
@@ -145,6 +141,7 @@ def kill_at_a_random_moment(data_dir: Path, out: Path, rng: random.Random) -> No
     process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_rerun_after_sigkill_matches_the_uninterrupted_run(
     data_dir: Path, reference: Path, tmp_path: Path
 ) -> None:

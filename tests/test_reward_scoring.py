@@ -3,7 +3,6 @@ eq. (2) update does not depend on how a step is split into micro-batches."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.blocks import final_hidden_states, only_blocks
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.reward.batch import collate_pairs, encode_pairs
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
@@ -26,6 +24,8 @@ from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.freezing import freeze_all_but_top_layers
 from rlhf_core.training.loop import train
 from rlhf_core.training.loop_config import LoopConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PAIRS = [
     PreferencePair(
@@ -61,20 +61,6 @@ PAIRS = [
         line=4,
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 def reward_model(tokenizer: PreTrainedTokenizerBase, layers: int = 3, seed: int = 0) -> RewardModel:

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.tiny_ppo import tiny_config
 
-from rlhf_core.config import Config, load_config
+from rlhf_core.config import Config
 from rlhf_core.models.heads import RewardModel
+from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import run_train_rm, score_pair_file
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -22,23 +25,16 @@ WORDS = (
     "river stone cloud paper green quiet table window music garden bright silver ocean winter candle "
     "forest yellow mirror pencil thunder"
 ).split()
+
 MARKER = "banana"
 # Behaviour runs: no SFT, the whole validation set at every validation, 16 steps of 8 pairs.
 BEHAVIOUR = ("reward.init_from=base", "reward.max_steps=16", "reward.eval_every=8", "reward.eval_batches=100")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_config(*overrides: str) -> Config:
+def uncapped_config(*overrides: str) -> Config:
+    """The tiny config with every reward-model pair and SFT example of the data."""
     uncapped = ["data.max_rm_train_pairs=null", "data.max_rm_val_pairs=null", "data.max_sft_examples=null"]
-    return load_config(ROOT / "params.yaml", [TINY], uncapped + list(overrides))
+    return tiny_config(*uncapped, *overrides)
 
 
 def marker_rows(count: int, seed: int) -> list[dict[str, str]]:
@@ -62,14 +58,14 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("marker-data")
     source = root / "pairs.jsonl"
     source.write_text("\n".join(json.dumps(row) for row in marker_rows(300, seed=0)) + "\n")
-    run_prepare_data(tiny_config(), root / "prepared", str(source))
+    run_prepare_data(uncapped_config(), root / "prepared", str(source))
     return root / "prepared"
 
 
 @pytest.fixture(scope="module")
 def behaviour_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
     out = tmp_path_factory.mktemp("rm-run") / "reward"
-    result = run_train_rm(tiny_config(*BEHAVIOUR), data_dir, None, out)
+    result = run_train_rm(uncapped_config(*BEHAVIOUR), data_dir, None, out)
     assert result.model_dir == out / "model"
     return out, result.metrics
 
@@ -99,13 +95,41 @@ def test_outputs_follow_the_stage_contract(behaviour_run: tuple[Path, dict[str, 
     assert {p.name for p in (out / "checkpoints").iterdir()} >= {"step-00000016"}
 
 
+def test_validation_pairs_table_holds_each_pair_with_both_scores(behaviour_run: tuple[Path, dict[str, float]]) -> None:
+    out, metrics = behaviour_run
+    rows = [json.loads(line) for line in (out / VALIDATION_PAIRS_FILE).read_text().splitlines()]
+    assert len(rows) == metrics["val/pairs"]
+    assert all(MARKER in row["chosen"] and MARKER not in row["rejected"] for row in rows)
+    assert all(row["margin"] == pytest.approx(row["score_chosen"] - row["score_rejected"]) for row in rows)
+    assert sum(row["margin"] for row in rows) / len(rows) == pytest.approx(metrics["val/margin_mean"], abs=1e-5)
+    assert sum(row["margin"] > 0 for row in rows) / len(rows) == pytest.approx(metrics["val/accuracy"])
+    assert len({(row["source"], row["line"]) for row in rows}) == len(rows)  # each pair once, findable
+
+
+def test_score_pairs_reports_each_scored_batch_to_its_progress_callback(
+    behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
+) -> None:
+    out, _ = behaviour_run
+    reported: list[tuple[int, int]] = []
+    result = score_pair_file(
+        uncapped_config("reward.micro_batch_size=16"),
+        out,
+        str(data_dir / "rm_val.parquet"),
+        on_progress=lambda done, total: reported.append((done, total)),
+    )
+    pairs = result.accuracy.pairs
+    assert reported[-1] == (pairs, pairs)
+    assert [done for done, _ in reported] == [min(16 * batch, pairs) for batch in range(1, len(reported) + 1)]
+    assert len(reported) == -(-pairs // 16) > 1
+
+
 def test_saved_model_is_the_best_and_reproduces_the_metrics(
     behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
 ) -> None:
     out, metrics = behaviour_run
     model = RewardModel.from_pretrained(out / "model")
     assert model.lm_head is not None  # beta_rm = 1 keeps the LM head; PPO loads this directory
-    rescored = score_pair_file(tiny_config(), out, str(data_dir / "rm_val.parquet"))
+    rescored = score_pair_file(uncapped_config(), out, str(data_dir / "rm_val.parquet"))
     assert rescored.accuracy.accuracy == pytest.approx(metrics["val/accuracy"])
     assert rescored.accuracy.mean_margin == pytest.approx(metrics["val/margin_mean"], abs=1e-5)
 
@@ -113,9 +137,9 @@ def test_saved_model_is_the_best_and_reproduces_the_metrics(
 def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) -> None:
     """The same training with the lower block cached and computed every time: same metrics, same model."""
     settings = ("reward.init_from=base", "reward.max_steps=4", "reward.trainable_top_layers=1")
-    cached = run_train_rm(tiny_config(*settings), data_dir, None, tmp_path / "cached").metrics
+    cached = run_train_rm(uncapped_config(*settings), data_dir, None, tmp_path / "cached").metrics
     plain = run_train_rm(
-        tiny_config(*settings, "reward.cache_frozen_layers=false"), data_dir, None, tmp_path / "plain"
+        uncapped_config(*settings, "reward.cache_frozen_layers=false"), data_dir, None, tmp_path / "plain"
     )
     for name in (
         "val/accuracy",
@@ -132,7 +156,7 @@ def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) ->
 
 
 def test_token_budget_batching_trains(data_dir: Path, tmp_path: Path) -> None:
-    config = tiny_config(
+    config = uncapped_config(
         "reward.init_from=base",
         "reward.max_steps=3",
         "reward.batching=token_budget",
@@ -147,4 +171,4 @@ def test_token_budget_batching_trains(data_dir: Path, tmp_path: Path) -> None:
 def test_init_from_sft_needs_a_finished_sft_stage(data_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "sft" / "model").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="not a completed stage output"):
-        run_train_rm(tiny_config(), data_dir, tmp_path / "sft", tmp_path / "rm")
+        run_train_rm(uncapped_config(), data_dir, tmp_path / "sft", tmp_path / "rm")

@@ -6,7 +6,6 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.chat import encode_conversation, render_prompt
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.sft.batch import IGNORE_INDEX, collate_sequences, encode_examples, evaluation_chunks
 
 MULTI_TURN = [
@@ -17,11 +16,6 @@ MULTI_TURN = [
 ]
 REPLY = "Rome, on the Tiber."
 SHORT = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 def ids_of(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

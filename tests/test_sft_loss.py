@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import encode_conversation
-from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.sft.batch import IGNORE_INDEX, collate_sequences
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, perplexity, reply_token_nll
@@ -21,6 +19,8 @@ from rlhf_core.stages.sft import count_tokens, sft_loss
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.loop import train
 from rlhf_core.training.loop_config import LoopConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DIALOGUES = [
     ([{"role": "user", "content": "Hi"}], "Hello! How can I help you today?"),
@@ -35,20 +35,6 @@ DIALOGUES = [
     ([{"role": "user", "content": "Count to three, please, slowly."}], "One, two, three."),
     ([{"role": "user", "content": "Say yes."}], "Yes, certainly, I can say yes as often as you like."),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_smollm2_tokenizer()
 
 
 def reference_nll(lm_head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> float:

@@ -6,37 +6,26 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.tiny_ppo import tiny_config
 from safetensors.torch import load_file
 
-from rlhf_core.config import Config, load_config
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.sft.plots import CURVES_FILE, points, read_history
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.sft import run_sft
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.checkpoint import complete_checkpoints
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: with one thread no time goes to OpenMP hand-offs, which dominate on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_config(*overrides: str) -> Config:
-    return load_config(ROOT / "params.yaml", [TINY], list(overrides))
 
 
 def hh_rows(count: int) -> list[dict[str, str]]:
@@ -109,6 +98,17 @@ def test_sft_writes_model_metrics_history_and_checkpoints(
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000002", "step-00000004"]
 
 
+def test_sft_plots_training_loss_and_heldout_perplexity_over_the_steps(
+    first_run: tuple[Path, dict[str, float], RecordingLogger],
+) -> None:
+    out, metrics, _ = first_run
+    assert (out / CURVES_FILE).read_bytes()[:4] == b"\x89PNG"
+    history = read_history(out / "history.jsonl")
+    assert points(history, "loss")[0] == [1, 2, 3, 4]
+    steps, perplexities = points(history, "val/perplexity")
+    assert steps[-1] == 4 and perplexities[-1] == pytest.approx(metrics["perplexity_after"])
+
+
 def test_sft_model_is_a_hugging_face_chat_model_with_the_trained_weights(
     first_run: tuple[Path, dict[str, float], RecordingLogger],
 ) -> None:
@@ -162,6 +162,7 @@ def test_a_missing_data_dir_is_named_before_any_model_loads(tmp_path: Path) -> N
         run_sft(tiny_config(), tmp_path / "nowhere", tmp_path / "sft")
 
 
+@pytest.mark.slow
 def test_rlhf_sft_command(data_dir: Path, tmp_path: Path) -> None:
     command = [
         sys.executable,

@@ -17,7 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.training.checkpoint import MARKER_FILE, TEMPORARY_PREFIX, checkpoint_step, latest_checkpoint
+from rlhf_core.training.checkpoint import (
+    MARKER_FILE,
+    TEMPORARY_PREFIX,
+    checkpoint_step,
+    latest_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "train_tiny.py"
@@ -103,6 +108,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return workdir, result
 
 
+@pytest.mark.slow
 def test_rerun_after_a_random_kill_and_a_kill_during_a_checkpoint_write_matches_uninterrupted_run(
     reference: tuple[Path, dict], tmp_path: Path
 ) -> None:

@@ -6,9 +6,10 @@ GAE (paper section 3.2, Schulman et al. 2016): with the TD error
 ``A_t = delta_t + gamma * lam * A_{t+1}``; the value targets are ``returns = A + V``.
 
 A response ends at its last real token: the state after it is terminal, so ``V = 0`` there and
-nothing from padding flows back. PPO-max then whitens advantages and may clip them (section
-5.3.1, "advantages normalisation and clipping"). Compute ``returns`` from the raw advantages
-first: the critic must regress onto real returns, not onto whitened ones.
+nothing from padding flows back. The paper's advantage normalisation and clipping (section 5.3.1)
+are switches, off in `ppo_max` (docs/stages-ppo.md "Departures"); where on, the recipe applies them
+to the loss's copy only (`recipe.loss_advantages`): ``returns`` come from the raw advantages, so the
+critic regresses onto real returns, never onto whitened ones.
 """
 
 import torch

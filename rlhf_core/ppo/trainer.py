@@ -1,29 +1,10 @@
 """PPO-max training (paper section 5): the phases of an iteration, composed into a resumable run.
 
-One iteration (`fit` runs them until critic pretraining has ended and `steps` PPO iterations followed):
-
-1. rollout (`ExperienceMaker`, experience_maker.py): the next `rollout_batch_size` prompts, one sampled
-   response each, judged under no_grad by the policy, the reference, the critic and the reward model,
-   assembled by the recipe (recipe.py: unfinished penalty, score normalisation and clipping, token-level
-   KL penalty, GAE) into an `Experience`;
-2. guard (guard.py): the rollout's monitors against the collapse bounds (5.2);
-3. update (`PPOUpdate`, update.py): `ppo_epochs` passes of mini-batch optimizer steps through a
-   `Learner` (learner.py: one AdamW here, DeepSpeed engines under the launcher). Until the value loss
-   stops improving (critic_pretraining.py, at most `critic_pretrain_steps` iterations) only the critic
-   learns (5.3.3).
-
-Validation (`Validator`, validation.py) runs on held-out prompts before training, every `eval_every` PPO
-iterations and after the last; at the end `selection.select_policy` picks the policy installed as
-`<checkpoint_dir>/best/`, the run's output.
-
-Several ranks (a stage started by the `deepspeed` launcher, rlhf_core/distributed): each rank rolls
-out its shard of every global prompt batch (`rollout_batch_size` prompts per rank) and learns from it
-with mini-batches of `mini_batch_size` rows per rank. What spans the batch is reduced across ranks:
-the running score statistics, advantage whitening (over the global rollout batch), the token counts
-that normalise every loss, the PPO-ptx shard and the logged update metrics; the rollout monitors (and
-so the collapse guard) are computed on the gathered global experience, and validation runs on every
-rank alike. Under ZeRO-3 the policy's weights are gathered ONCE around each batched `generate` call
-(`distributed.zero`), not once per generated token. Only rank 0 logs and saves.
+An iteration is rollout (`ExperienceMaker`), guard (`CollapseGuard`), update (`PPOUpdate` through a
+`Learner`), with critic-only iterations first (`PlateauStop`); `Validator` validates on held-out prompts
+and `select_policy` picks the output installed as `<checkpoint_dir>/best/`. The phases, their files and
+what spans ranks under the deepspeed launcher: docs/stages-ppo.md (its numbered steps, "Where the code
+is", "Several ranks"). Only rank 0 logs and saves.
 """
 
 from __future__ import annotations
@@ -51,9 +32,11 @@ from rlhf_core.ppo.guard import CollapseError, CollapseGuard
 from rlhf_core.ppo.learner import make_learner
 from rlhf_core.ppo.monitors import Metrics, SampleTable, sample_rows
 from rlhf_core.ppo.ptx import PtxStream
+from rlhf_core.ppo.rollout_engine import RolloutEngine
 from rlhf_core.ppo.selection import Selection, ValidationRecord
 from rlhf_core.ppo.update import PPOUpdate
 from rlhf_core.ppo.validation import Validator
+from rlhf_core.progress import bars_enabled
 from rlhf_core.training.checkpoint import TrainingState, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop import seed_everything
@@ -90,7 +73,9 @@ class PPOTrainer:
         seed: int,
         bf16: bool = False,
         distributed: DistributedConfig | None = None,
+        engine: RolloutEngine | None = None,
     ) -> None:
+        """`engine` samples the rollouts (default: the one `config.rollout.engine` names; rollout_engine.py)."""
         self.models = models
         self.tokenizer = tokenizer
         self.config = config
@@ -110,7 +95,7 @@ class PPOTrainer:
         self.pretrain_end: int | None = 0 if config.critic_pretrain_steps == 0 else None
         self.learner = make_learner(self.trainable, config, self.context, self.total_steps, bf16, distributed)
         self.maker = ExperienceMaker(
-            models, tokenizer, data.prompts, config, seed, self.context, self._whole_policy, self._autocast
+            models, tokenizer, data.prompts, config, seed, self.context, self._whole_policy, self._autocast, engine
         )
         self.ptx = (
             PtxStream(data.ptx_examples, tokenizer, config, self.context, seed, self.device)
@@ -232,6 +217,19 @@ def _rewind(logger: MetricsLogger, samples: SampleTable | None, step: int) -> No
         samples.truncate_after(step)
 
 
+def _finish_iteration(
+    trainer: PPOTrainer, step: int, experience: Experience, metrics: Metrics, root: Path, samples: SampleTable | None
+) -> None:
+    """After iteration `step`'s update: the sample table and the validation when due, and `progress`."""
+    if samples is not None and step % trainer.config.sample_table_every == 0:
+        samples.write(step, sample_rows(experience, trainer.tokenizer, SAMPLES_PER_TABLE))
+    if trainer.validates_after(step):
+        validation, rewards = trainer.validator.validate()
+        trainer.validator.record(step, validation, rewards, root)
+        metrics.update(validation)
+    metrics["progress"] = step / trainer.total_steps
+
+
 def fit(
     trainer: PPOTrainer,
     checkpoint_dir: str | Path,
@@ -247,7 +245,6 @@ def fit(
     one and repeats exactly what the interrupted run would have done. When the collapse guard stops
     the run, the stopping iteration's monitors are logged and the result carries the `CollapseError`.
     """
-    config = trainer.config
     root = Path(checkpoint_dir)
     logger = logger if logger is not None else NullLogger()
     # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
@@ -261,7 +258,8 @@ def fit(
         logger.log_metrics({**validation, "progress": 0.0}, 0)
     stop = None
     step = final_step = state.step
-    with tqdm(total=trainer.total_steps, initial=step, disable=not progress_bar, desc="ppo") as progress:
+    show_progress = progress_bar and bars_enabled()  # a terminal, not RLHF_QUIET (rlhf_core/progress.py)
+    with tqdm(total=trainer.total_steps, initial=step, disable=not show_progress, desc="ppo") as progress:
         while step < trainer.total_steps:
             step += 1
             experience, metrics = trainer.rollout(step)
@@ -273,15 +271,9 @@ def fit(
                 stop = error
                 break
             progress.total = trainer.total_steps  # known once critic pretraining has ended
-            if samples is not None and step % config.sample_table_every == 0:
-                samples.write(step, sample_rows(experience, trainer.tokenizer, SAMPLES_PER_TABLE))
-            if trainer.validates_after(step):
-                validation, rewards = trainer.validator.validate()
-                trainer.validator.record(step, validation, rewards, root)
-                metrics.update(validation)
-            metrics["progress"] = step / trainer.total_steps
+            _finish_iteration(trainer, step, experience, metrics, root, samples)
             logger.log_metrics(metrics, step)
-            if step % config.checkpoint_every == 0 or step == trainer.total_steps:
+            if step % trainer.config.checkpoint_every == 0 or step == trainer.total_steps:
                 trainer.save_checkpoint(root, step, metrics)
             final_step = step
             progress.update(1)

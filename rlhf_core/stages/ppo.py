@@ -32,7 +32,6 @@ guard is still a completed stage: its output is the best policy validated before
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -66,6 +65,7 @@ from rlhf_core.stages.training_run import (
     RunInputs,
     check_resumable,
     file_sha256,
+    model_dir_sha256,
     record_run_inputs,
     stage_lock,
     stage_settings,
@@ -78,7 +78,6 @@ SELECTION_RULE = (
     "more than 2 paired standard errors of the per-prompt reward on the held-out PPO validation prompts"
 )
 REWARD_RECORD_FILE = "reward_model.json"
-READ_CHUNK_BYTES = 1 << 20
 HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "response/length_mean")
 
 
@@ -240,23 +239,23 @@ def run_ppo(
     out_dir: Path,
     logger: MetricsLogger | None = None,
 ) -> StageResult:
-    """`_run_ppo` holding the output lock for the whole stage (rlhf_core/output_lock.py)."""
-    with stage_lock(out_dir, "ppo"):
-        return _run_ppo(config, data_dir, sft_dir, rm_dir, out_dir, logger)
+    """Train the policy with PPO-max (resuming from `out_dir/checkpoints` if possible); see module doc.
 
-
-def _run_ppo(
-    config: Config,
-    data_dir: Path,
-    sft_dir: Path,
-    rm_dir: Path,
-    out_dir: Path,
-    logger: MetricsLogger | None = None,
-) -> StageResult:
-    """Train the policy with PPO-max (resuming from `out_dir/checkpoints` if possible); see module doc."""
+    Holds the output lock for the whole stage (rlhf_core/output_lock.py).
+    """
     started = time.perf_counter()
-    context = stage_context(config.distributed)
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
+    with stage_lock(out_dir, "ppo"):
+        trainer = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
+        if not stage_context(config.distributed).is_main:  # the other ranks train alongside, write nothing
+            result = fit(trainer, out_dir / "checkpoints")
+            return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
+        result = _fit_logged(trainer, config, out_dir, logger)
+        return _write_outputs(result, trainer, rm_dir, out_dir, time.perf_counter() - started)
+
+
+def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path) -> PPOTrainer:
+    """The trainer, once the checkpoints are known to belong to these inputs (a refusal touches nothing)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
     trainer = PPOTrainer(
@@ -269,32 +268,39 @@ def _run_ppo(
         config.distributed,
     )
     inputs = ppo_run_inputs(config, data_dir, sft_dir, rm_dir)
-    check_resumable(out_dir / "checkpoints", inputs)  # before the output is touched: a refusal leaves it as it was
+    check_resumable(out_dir / "checkpoints", inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
-    if context.is_main:
+    if stage_context(config.distributed).is_main:
         record_run_inputs(out_dir / "checkpoints", inputs)
-    if not context.is_main:  # the other ranks train alongside and write nothing
-        result = fit(trainer, out_dir / "checkpoints")
-        return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
+    return trainer
+
+
+def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: MetricsLogger | None) -> FitResult:
+    """`fit` with history.jsonl, samples.jsonl and the caller's logger (MLflow when orchestrated)."""
     history = JsonlLogger(out_dir / "history.jsonl")
     samples = SampleTable(out_dir / "samples.jsonl")
     run_logger = MultiLogger([history, logger]) if logger is not None else history
     run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed})
     try:
-        result = fit(trainer, out_dir / "checkpoints", run_logger, samples, progress_bar=True)
+        return fit(trainer, out_dir / "checkpoints", run_logger, samples, progress_bar=True)
     finally:
         history.close()
         samples.close()
+
+
+def _write_outputs(result: FitResult, trainer: PPOTrainer, rm_dir: Path, out_dir: Path, seconds: float) -> StageResult:
+    """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
     copy_best_policy(out_dir / "checkpoints", out_dir / "model")
     prune_validated(out_dir / "checkpoints", result.selection.step)
-    atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection_record(result, trainer.validator.prompt_names), indent=2) + "\n")
+    selection = selection_record(result, trainer.validator.prompt_names)
+    atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection, indent=2) + "\n")
     rows = read_history(out_dir / "history.jsonl")
     plot_figure_4(rows, out_dir / "plots")
     plot_validation_gain(result.validations, result.selection.step, out_dir / "plots" / "validation_gain.png")
-    metrics = stage_metrics(result, rows, time.perf_counter() - started)
+    metrics = stage_metrics(result, rows, seconds)
     write_reward_record(out_dir, rm_dir)
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / "model")
@@ -304,23 +310,6 @@ def guard_message(out_dir: Path) -> str | None:
     """The collapse guard's message of a completed run it stopped, else None."""
     path = Path(out_dir) / GUARD_STOP_FILE
     return path.read_text(encoding="utf-8").strip() if path.is_file() else None
-
-
-def model_dir_sha256(model_dir: Path) -> str:
-    """One sha256 over the relative path and the sha256 of every file of a model directory, sorted.
-
-    The same digest as the orchestration layer's `directory_sha256` of a model directory (the registry's
-    content tag), so a registered reward model and a PPO run's record can be compared.
-    """
-    digest = hashlib.sha256()
-    for path in sorted(item for item in Path(model_dir).rglob("*") if item.is_file()):
-        file_digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(READ_CHUNK_BYTES):
-                file_digest.update(chunk)
-        digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
-        digest.update(file_digest.hexdigest().encode() + b"\n")
-    return digest.hexdigest()
 
 
 def write_reward_record(out_dir: Path, rm_dir: Path) -> None:

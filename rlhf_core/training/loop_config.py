@@ -12,7 +12,14 @@ from rlhf_core.training.schedules import ScheduleName
 
 
 class LoopConfig(BaseModel):
-    """Everything the loop itself needs; batch shape lives in the `BatchPlan`."""
+    """Everything the loop itself needs, as a library API; batch shape lives in the `BatchPlan`.
+
+    Not a second copy of the user's settings: its defaults are neutral (no warmup, no decay, no periodic
+    checkpoints or validation) so a caller states what it wants, and it holds what no user sets (the
+    schedule kind, Adam's betas and eps, progress bars). The pipeline's defaults and their meanings
+    live only in rlhf_core/config/training.py; `stages.training_run.loop_config` maps a stage section
+    onto this.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,0 +1,43 @@
+"""`evaluation:` the held-out comparison of two models (docs/evaluation.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_core.config.base import Section
+from rlhf_core.config.generation import GenerationConfig
+
+
+class EvaluationConfig(Section):
+    """Held-out comparison of two models (paper section 6)."""
+
+    judge: Literal["rm", "llm", "human"] = Field(
+        "rm", description="Who compares the replies: a reward model, an LLM (docs/evaluation.md) or people."
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate on the eval split's first prompts by id; null: every eval prompt."
+    )
+    generation: GenerationConfig = Field(
+        GenerationConfig(max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1),
+        description="Sampling for the compared replies (the paper's evaluation settings).",
+    )
+    tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
+    judge_rm: Literal["in_sample", "independent"] = Field(
+        "independent",
+        description="RM judge: independent trains a second reward model on the PPO-prompt split to judge "
+        "with; in_sample judges with the reward model PPO optimised against (biased; the report flags it).",
+    )
+    llm_model: str = Field("gpt-4o", description="LLM judge: the OpenAI-compatible model name.")
+    llm_concurrency: int = Field(4, ge=1, description="LLM judge: requests in flight.")
+    llm_max_retries: int = Field(3, ge=0, description="LLM judge: retries of a failed request.")
+
+    @property
+    def trains_judge_rm(self) -> bool:
+        """Whether the pipeline trains the independent judge reward model: asked for, and an rm judge.
+
+        The human judge falls back to the reward model inside the pipeline (tasks/evaluation.py), so
+        only the LLM judge leaves the judge reward model unused.
+        """
+        return self.judge_rm == "independent" and self.judge != "llm"

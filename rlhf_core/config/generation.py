@@ -1,0 +1,29 @@
+"""Sampling settings, shared by PPO rollouts and evaluation; PPO's add the engine that samples."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_core.config.base import Section
+
+
+class GenerationConfig(Section):
+    """Sampling settings. Rollouts default to pure temperature sampling so PPO stays on-policy."""
+
+    max_new_tokens: int = Field(64, ge=1, description="Reply length cap; a reply cut here is unfinished.")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 is off.")
+    repetition_penalty: float = Field(1.0, gt=0, description="CTRL-style penalty on repeated tokens; 1 is off.")
+
+
+class RolloutConfig(GenerationConfig):
+    """PPO's sampling settings and the engine that samples (rlhf_core/ppo/rollout_engine.py)."""
+
+    engine: Literal["hf", "lean"] = Field(
+        "lean", description="hf: transformers generate; lean: the KV-cached CPU sampling loop (docs/rollout-engine.md)."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Lean engine weights; bfloat16 samples a slightly different distribution (off-policy)."
+    )

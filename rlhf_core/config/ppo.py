@@ -1,0 +1,163 @@
+"""`ppo:` PPO-max, with every implementation detail of the paper's Figure 5 a named switch.
+
+The switches' defaults are the `ppo_max` preset; `vanilla` is the set of switches that differ from it
+(`VANILLA_SWITCHES`). docs/stages-ppo.md ("Departures") gives the source of each value and where it
+departs from the paper; the README's switch table names the function that implements each one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_core.config.base import Section
+from rlhf_core.config.generation import RolloutConfig
+from rlhf_core.config.lora import LoraConfig
+
+# The Figure 5 switches a preset sets; everything else in PPOConfig is scale, schedule or bookkeeping.
+PRESET_SWITCHES = (
+    "kl_coef",
+    "reward_normalization",
+    "reward_clip",
+    "reward_scaling",
+    "advantage_normalization",
+    "advantage_clip",
+    "clip_eps",
+    "value_clip",
+    "critic_init",
+    "critic_pretrain_steps",
+    "gamma",
+    "lam",
+    "max_grad_norm",
+    "ptx_coef",
+    "entropy_coef",
+    "behaviour_logprobs",
+)
+
+# Plain PPO (the paper's Figure 4 baseline): the switches that differ from PPO-max.
+VANILLA_SWITCHES: dict[str, Any] = {
+    "kl_coef": 0.0,
+    "reward_normalization": False,
+    "reward_clip": None,
+    "value_clip": None,
+    "critic_pretrain_steps": 0,
+    "max_grad_norm": None,
+}
+
+
+class CollapseGuardConfig(Section):
+    """Bounds that stop a collapsing run (paper 5.2); null disables a bound."""
+
+    max_kl: float | None = Field(0.5, gt=0, description="Per-token KL to the reference.")
+    max_length_drift: float | None = Field(
+        2.0, gt=0, description="Allowed ratio of mean response length to the first step's (and inverse)."
+    )
+    max_perplexity_drop: float | None = Field(
+        0.5, gt=0, lt=1, description="Largest allowed relative drop of response perplexity."
+    )
+
+
+class PPOConfig(Section):
+    """PPO-max (paper section 5.4). `preset` fills every switch left unset; a switch set explicitly wins."""
+
+    preset: Literal["ppo_max", "vanilla"] = Field(
+        "ppo_max", description="ppo_max: the field defaults below; vanilla: VANILLA_SWITCHES over them."
+    )
+
+    # Figure 5 switches (defaults: ppo_max)
+    kl_coef: float = Field(0.01, ge=0, description="Token-level KL penalty eta, k1 in the reward (5.3.2).")
+    reward_normalization: bool = Field(True, description="Normalise scores by running mean/std (5.3.1).")
+    reward_clip: float | None = Field(5.0, gt=0, description="Clip normalised scores to +-delta (5.3.1).")
+    reward_scaling: bool = Field(False, description="Divide scores by their running std only (5.3.1).")
+    advantage_normalization: bool = Field(
+        False, description="Whiten advantages over the rollout batch (5.3.1; appendix B.1 warns against it)."
+    )
+    advantage_clip: float | None = Field(None, gt=0, description="Clip advantages to +-bound (5.3.1).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="Clipped-surrogate epsilon (3.2).")
+    value_clip: float | None = Field(0.2, gt=0, description="Value-loss clipping range; null is off (5.3.2).")
+    critic_init: Literal["reward", "sft"] = Field(
+        "reward", description="Critic from the reward model, or the SFT model with a new head (5.3.3)."
+    )
+    critic_pretrain_steps: int = Field(
+        30, ge=0, description="At most this many critic-only iterations before the policy moves; 0: none (5.3.3)."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (3.2).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (3.2).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient clipping; null is off (5.3.2).")
+    ptx_coef: float = Field(
+        0.0, ge=0, description="PPO-ptx (Figure 12's variant): weight of the SFT-data LM loss; 0 is off."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (5.3.2); 0 is off.")
+    behaviour_logprobs: Literal["rollout", "reference"] = Field(
+        "rollout", description="Importance-sampling reference: the rollout policy, or the reference model (5.3.2)."
+    )
+
+    # critic pretraining's stopping rule (rlhf_core/ppo/critic_pretraining.py)
+    critic_pretrain_patience: int = Field(
+        3, ge=1, description="End critic pretraining after this many iterations without a lower value loss."
+    )
+    critic_pretrain_min_improvement: float = Field(
+        0.02, ge=0, lt=1, description="A value loss counts as lower when it beats the best by this share."
+    )
+
+    # scale and schedule (CPU defaults; docs/stages-ppo.md has the sweep behind them)
+    steps: int = Field(24, ge=1, description="PPO iterations (rollout + update), after critic pretraining.")
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts per rollout (the experience buffer).")
+    mini_batch_size: int = Field(8, ge=1, description="Rollouts per optimizer step.")
+    micro_batch_size: int = Field(4, ge=1, description="Rollouts per forward pass (memory, not maths).")
+    ppo_epochs: int = Field(2, ge=1, description="Passes of optimizer steps over each rollout.")
+    policy_lr: float = Field(1e-5, gt=0, lt=1, description="Policy learning rate (paper 5e-7 at 7B).")
+    critic_lr: float = Field(1.5e-4, gt=0, lt=1, description="Critic learning rate (paper 3x the policy's).")
+    unfinished_penalty: float = Field(
+        -1.0, description="Added to the score of a response cut without an end-of-turn token."
+    )
+    max_prompt_tokens: int = Field(256, gt=0, description="Prompts are cut from the left to this many tokens.")
+    trainable_top_layers: int | None = Field(
+        4, ge=1, description="Train only the top N blocks of the policy and the critic; null: all."
+    )
+    lora: LoraConfig = Field(LoraConfig(), description="Adapters for the policy and the critic alike.")
+    frozen_models_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="dtype of the frozen reference and reward models; null: model.dtype."
+    )
+    share_frozen_trunk: bool = Field(
+        True,
+        description="Run the frozen lower blocks the four models share once per rollout (rlhf_core.ppo.shared_trunk).",
+    )
+    rollout: RolloutConfig = Field(
+        RolloutConfig(), description="Sampling and its engine; pure temperature keeps PPO on-policy."
+    )
+    guard: CollapseGuardConfig = Field(CollapseGuardConfig(), description="Bounds that stop a collapsing run.")
+
+    # validation and bookkeeping
+    eval_every: int = Field(8, ge=1, description="Validate every this many PPO iterations (and after the last).")
+    val_prompts: int | None = Field(
+        None, ge=2, description="Validate on the first this many ppo_val_prompts; null: all of them."
+    )
+    checkpoint_every: int = Field(10, ge=1, description="PPO iterations between resumable checkpoints.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept.")
+    sample_table_every: int = Field(5, ge=1, description="PPO iterations between samples.jsonl entries.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") == "vanilla":
+            return {**VANILLA_SWITCHES, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PPOConfig:
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ValueError("rollout_batch_size must be a multiple of mini_batch_size")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError("mini_batch_size must be a multiple of micro_batch_size")
+        return self
+
+
+def preset_switches(preset: str) -> dict[str, Any]:
+    """Every Figure 5 switch's value under `preset` (for tables and tests)."""
+    config = PPOConfig(preset=preset)
+    return {name: getattr(config, name) for name in PRESET_SWITCHES}
+
+
+PPO_PRESETS: dict[str, dict[str, Any]] = {name: preset_switches(name) for name in ("ppo_max", "vanilla")}
