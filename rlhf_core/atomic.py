@@ -5,7 +5,7 @@ half way through must never leave one behind, and must never damage the previous
 
 A process killed mid-write cannot clean up after itself, so its temporary siblings carry its host and
 pid in their names (`.<name>.tmp-<host>-<pid>-<random>`, `.<name>.old-...`), and the next atomic write of
-the same directory removes those whose process no longer runs (`remove_stale_temporaries`).
+the same directory or file removes those whose process no longer runs (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def _sibling_prefix(out_dir: Path, kind: str) -> str:
 def remove_stale_temporaries(out_dir: str | Path) -> None:
     """Remove the temporary siblings of `out_dir` whose writer, a process on this host, no longer runs.
 
-    A previous output set aside by a swap that was killed half way is put back when `out_dir` is
-    missing (the swap got no further), so finished work is never lost; otherwise it is removed.
-    Directories of other hosts are left alone: their pids mean nothing here.
+    `out_dir` may be a directory (`atomic_directory`) or a file (`atomic_file`). A previous output set
+    aside by a swap that was killed half way is put back when `out_dir` is missing (the swap got no
+    further), so finished work is never lost; otherwise it is removed. Temporaries of other hosts are
+    left alone: their pids mean nothing here.
     """
     out_dir = Path(out_dir)
     pattern = re.compile(
@@ -78,15 +79,23 @@ def remove_stale_temporaries(out_dir: str | Path) -> None:
     stale: dict[str, list[Path]] = {TEMPORARY: [], ASIDE: []}
     for sibling in sorted(out_dir.parent.iterdir()):
         match = pattern.match(sibling.name)
-        if match and sibling.is_dir() and match["host"] == host and not _process_runs(int(match["pid"])):
+        if match and match["host"] == host and not _process_runs(int(match["pid"])):
             stale[match["kind"]].append(sibling)
-    for aside in stale[ASIDE]:
-        if not out_dir.exists():
+    for aside in stale[ASIDE]:  # only directories are set aside (`_swap_into_place`)
+        if aside.is_dir() and not out_dir.exists():
             os.replace(aside, out_dir)
         else:
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove(aside)
     for temporary in stale[TEMPORARY]:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _remove(temporary)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a directory tree; one already gone (another cleaner was first) is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _process_runs(pid: int) -> bool:
@@ -100,11 +109,30 @@ def _process_runs(pid: int) -> bool:
     return True
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and `os.replace`: readers see the old or the new file."""
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; on success it replaces `path` (`os.replace`), on error it goes.
+
+    Readers see the old file or the new one, never a part. The temporary file is named like a temporary
+    directory (`.<name>.tmp-<host>-<pid>-<random>`), so one a killed writer left is removed by the next
+    atomic write of `path`.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-    return path
+    remove_stale_temporaries(path)
+    descriptor, name = tempfile.mkstemp(prefix=_sibling_prefix(path, TEMPORARY), dir=path.parent)
+    os.fchmod(descriptor, 0o644)  # mkstemp makes it owner-only; the result is an ordinary, shareable file
+    os.close(descriptor)
+    temporary = Path(name)
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # already renamed away on success
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically (`atomic_file`): readers see the old or the new file."""
+    with atomic_file(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)

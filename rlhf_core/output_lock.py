@@ -3,10 +3,10 @@
 Why: two processes writing one output directory (two `rlhf sft --out X`, a CLI run beside a Prefect
 task, `dvc repro` beside either) interleave their files, so `model/` comes from one run and
 `history.params.json` from the other, and both exit 0. The entry points of prepare-data, sft,
-train-rm, judge-rm and ppo (rlhf_core/stages; the CLI, the Prefect tasks and `dvc repro` all call them,
-and a launched stage's rank 0 does) therefore hold this lock from before they look at their output
-until its metrics.json is written; a second writer fails at once with `OutputLockedError`, naming the
-holder's pid, host and start time.
+train-rm, judge-rm, ppo, eval and score-pairs with an output directory (rlhf_core/stages; the CLI, the
+Prefect tasks and `dvc repro` all call them, and a launched stage's rank 0 does) therefore hold this
+lock from before they look at their output until its metrics.json is written; a second writer fails at
+once with `OutputLockedError`, naming the holder's pid, host and start time.
 
 How: `flock` on a sibling file, `.<name>.lock` next to the output directory. A sibling, because
 prepare-data replaces its whole directory with a rename, and a file inside would enter the output's

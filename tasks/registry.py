@@ -1,12 +1,13 @@
 """Putting the trained models into the MLflow Model Registry, ready to serve.
 
-- The PPO policy is logged with the transformers flavour as a `text-generation` pipeline with task
-  `llm/v1/chat`, from the stage's model directory: its tokenizer carries the chat template and its
-  generation config stops at the end-of-turn token, so `mlflow models serve` answers OpenAI-style
-  chat requests (`{"messages": [...]}`) and a reply ends at `<|im_end|>`. (The flavour's own "log from
-  a checkpoint path" mode does not work with transformers 5; loading the pipeline costs one model's
-  memory, which the training stage needed anyway.)
-- The reward model is logged as a pyfunc (tasks/reward_scorer.py) whose artifact is its directory.
+- The PPO policy is logged as a chat pyfunc (tasks/chat_policy.py, task `llm/v1/chat`) whose artifact
+  is the stage's model directory, from code (tasks/chat_policy_code.py): its tokenizer carries the chat
+  template and replies stop at the end-of-turn token, so `mlflow models serve` answers an OpenAI-style
+  chat request (`{"messages": [...]}`) with one chat completion object, `model` the registered name and
+  version (written into the logged model once the version exists: `record_registered_identity`) and
+  `finish_reason` "length" for a reply cut at `max_tokens`.
+- The reward model is logged as a pyfunc (tasks/reward_scorer.py) whose artifact is its directory, from
+  code (tasks/reward_scorer_code.py): the stored model holds a source file, never a pickled object.
 - The independent judge reward model (the judge-reward stage) is logged the same way, as its own
   registered model (`judge_model_name`: the reward model's name + `-judge`), with what it was trained
   on as tags (`training_data.*`, its training_data.json); the policy evaluated by it names it
@@ -23,19 +24,21 @@ inputs) gets no new version; the alias moves to the existing one.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections.abc import Callable, Mapping
 from importlib.metadata import version
 from pathlib import Path
 
 import mlflow
-import transformers
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
+from mlflow.models.model import ModelInfo
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.reward.training_data import TRAINING_DATA_FILE, RewardTrainingData, read_training_data
 from tasks.outputs import StageOutput
-from tasks.reward_scorer import MODEL_ARTIFACT, RewardScorer
+from tasks.reward_scorer import MODEL_ARTIFACT
 
 CHALLENGER_ALIAS = "challenger"
 CHAT_TASK = "llm/v1/chat"
@@ -50,6 +53,11 @@ JUDGE_MODEL_SUFFIX = "-judge"
 JUDGE_MODEL_TAG = "lineage.judge_model"
 JUDGE_VERSION_TAG = "lineage.judge_version"
 TRAINING_DATA_TAG_PREFIX = "training_data."
+REWARD_SCORER_CODE = Path(__file__).with_name("reward_scorer_code.py")  # the reward model's models-from-code file
+CHAT_POLICY_CODE = Path(__file__).with_name("chat_policy_code.py")  # the policy's models-from-code file
+POLICY_ARTIFACT = "policy"  # the policy pyfunc's artifact: the PPO model directory (tasks/chat_policy.py)
+MODEL_NAME_CONFIG = "registered_name"  # the policy pyfunc's model_config key: the name it is registered as
+REGISTERED_FILE = "registered_model.json"  # in the logged policy: the name and version it was registered as
 
 
 class RegisteredVersion(BaseModel):
@@ -79,27 +87,40 @@ def find_version(client: MlflowClient, name: str, content_sha256: str) -> ModelV
     return max(versions, key=lambda found: int(found.version), default=None)
 
 
-def log_policy(model_dir: Path) -> str:
-    """Log the policy under the active run as a chat model; returns the logged model's URI."""
-    pipeline = transformers.pipeline("text-generation", model=str(model_dir))
-    info = mlflow.transformers.log_model(
-        transformers_model=pipeline,
+def log_policy(model_dir: Path, name: str) -> ModelInfo:
+    """Log the policy under the active run as the chat pyfunc (tasks/chat_policy.py), from code; it answers
+    as `name` until registration records its version."""
+    return mlflow.pyfunc.log_model(
         name=MODEL_ARTIFACT_PATH,
-        task=CHAT_TASK,
+        python_model=str(CHAT_POLICY_CODE),
+        artifacts={POLICY_ARTIFACT: str(model_dir)},
+        model_config={MODEL_NAME_CONFIG: name},
+        metadata={"task": CHAT_TASK},
         pip_requirements=[requirement("torch"), requirement("transformers"), requirement("mlflow")],
     )
-    return info.model_uri
 
 
-def log_reward_model(model_dir: Path) -> str:
-    """Log the reward model under the active run as a scoring pyfunc; returns the logged model's URI."""
-    info = mlflow.pyfunc.log_model(
+def record_registered_identity(client: MlflowClient, model_id: str, name: str, model_version: str) -> None:
+    """Write registered_model.json (name and version) into the logged model `model_id`, so that the served
+    policy answers as `name/version` (tasks/chat_policy.py)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / REGISTERED_FILE
+        path.write_text(json.dumps({"name": name, "version": str(model_version)}) + "\n", encoding="utf-8")
+        client.log_model_artifact(model_id, str(path))
+
+
+def log_reward_model(model_dir: Path, name: str) -> ModelInfo:
+    """Log the reward model under the active run as a scoring pyfunc (`name` is not needed to score).
+
+    Logged from code (MLflow's "models from code": `python_model` is the path of
+    tasks/reward_scorer_code.py), so the stored model holds that source file, not a pickled object.
+    """
+    return mlflow.pyfunc.log_model(
         name=MODEL_ARTIFACT_PATH,
-        python_model=RewardScorer(),
+        python_model=str(REWARD_SCORER_CODE),
         artifacts={MODEL_ARTIFACT: str(model_dir)},
         pip_requirements=[requirement("torch"), requirement("transformers"), requirement("mlflow")],
     )
-    return info.model_uri
 
 
 def register(
@@ -122,9 +143,11 @@ def register(
     if existing is not None:
         registered = RegisteredVersion(name=name, version=existing.version, alias=alias, reused=True)
     else:
-        model_uri = log_model_in_run(tracking_uri, run_id, output)
-        created = mlflow.register_model(model_uri, name, tags={CONTENT_TAG: output.sha256, **tags})
+        info = log_model_in_run(tracking_uri, run_id, output, name)
+        created = mlflow.register_model(info.model_uri, name, tags={CONTENT_TAG: output.sha256, **tags})
         registered = RegisteredVersion(name=name, version=created.version, alias=alias)
+        if output.stage == "ppo":
+            record_registered_identity(client, info.model_id, name, registered.version)
     if alias is not None:
         client.set_registered_model_alias(name, alias, registered.version)
     return registered
@@ -195,8 +218,8 @@ def training_data_from_tags(tags: Mapping[str, str]) -> RewardTrainingData | Non
     return RewardTrainingData.model_validate(fields) if fields else None
 
 
-def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str:
-    """Log the stage's model in run `run_id` with the flavour of its stage; returns the model URI.
+def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput, name: str) -> ModelInfo:
+    """Log the stage's model, to be registered as `name`, in run `run_id` with the flavour of its stage.
 
     The flavours log through MLflow's fluent API, which reads the process-wide tracking URI and the
     calling thread's active run: both are set here, for this call.
@@ -206,10 +229,10 @@ def log_model_in_run(tracking_uri: str, run_id: str, output: StageOutput) -> str
         raise ValueError(f"stage {output.stage!r} has no registrable model (model_dir {output.model_dir})")
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
-        return log_model(output.model_dir)
+        return log_model(output.model_dir, name)
 
 
-MODEL_LOGGERS: dict[str, Callable[[Path], str]] = {
+MODEL_LOGGERS: dict[str, Callable[[Path, str], ModelInfo]] = {
     "ppo": log_policy,
     "reward": log_reward_model,
     "judge-reward": log_reward_model,

@@ -7,7 +7,8 @@ user turn, and the candidate assistant reply); the output is one score per item,
 as reward-model training and PPO compute it: the conversation rendered through the chat template,
 the score read at the reply's end-of-turn token.
 
-Loading it needs this project installed (`rlhf_core`, `tasks`), as serving it with
+It is logged from code (tasks/reward_scorer_code.py builds the instance), so the logged model holds
+no pickle. Loading it needs this project installed (`rlhf_core`, `tasks`), as serving it with
 `mlflow models serve --env-manager local` from the project's environment does.
 """
 

@@ -1,6 +1,7 @@
 """tasks/registry.py against an embedded SQLite tracking store: the policy is registered as a chat model
-that stops at the end-of-turn token, the reward model as a scorer, versions are reused for unchanged
-content, and the `challenger` alias follows the newest policy."""
+that stops at the end-of-turn token and answers /invocations with one OpenAI chat completion naming its
+registered version, the reward model as a scorer, versions are reused for unchanged content, and the
+`challenger` alias follows the newest policy."""
 
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import mlflow
 import pytest
 import torch
 from mlflow import MlflowClient
+from mlflow.pyfunc.scoring_server import init as scoring_app
+from starlette.testclient import TestClient
 
 from rlhf_core.config import ModelConfig
 from rlhf_core.models.base import load_base_model
@@ -24,18 +27,28 @@ CHAT_REQUEST = {"messages": [{"role": "user", "content": "Hello, who are you?"}]
 
 
 def eager_end_of_turn_policy():
-    """The tiny model rewired so that its most likely next token is ALWAYS the end-of-turn token.
+    """The tiny model rewired so that its most likely next token is ALWAYS the end-of-turn token."""
+    return dominated_policy(lambda tokenizer: end_of_turn_id(tokenizer))
+
+
+def never_ending_policy():
+    """The tiny model rewired so that its most likely next token is ALWAYS "Hello" (never end-of-turn)."""
+    return dominated_policy(lambda tokenizer: tokenizer.convert_tokens_to_ids("Hello"))
+
+
+def dominated_policy(dominant_id):
+    """The tiny model rewired so that its next token is (almost surely) `dominant_id(tokenizer)`.
 
     Every block's output projections are zeroed, so the last hidden state is the current token's embedding;
-    the final norm keeps only dimension 0, where every embedding is positive and the end-of-turn row is
-    10^5 times larger: the logit of end-of-turn dominates whatever the input.
+    the final norm keeps only dimension 0, where every embedding is positive and the dominant row is
+    10^5 times larger: the logit of that token dominates whatever the input.
     """
     model, tokenizer = load_base_model(ModelConfig(kind="tiny"))
-    eot = end_of_turn_id(tokenizer)
+    dominant = dominant_id(tokenizer)
     with torch.no_grad():
         embeddings = model.get_input_embeddings().weight
         embeddings[:, 0] = 0.01
-        embeddings[eot, 0] = 1000.0
+        embeddings[dominant, 0] = 1000.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
         for layer in model.model.layers:
@@ -79,13 +92,44 @@ def test_policy_is_a_chat_model_that_stops_at_end_of_turn(store, policy_output: 
     mlflow.set_tracking_uri(uri)
     chat = mlflow.pyfunc.load_model(registered.uri)
     assert chat.metadata.metadata["task"] == "llm/v1/chat"
-    reply = chat.predict(CHAT_REQUEST)[0]
+    reply = chat.predict(CHAT_REQUEST)
     assert reply["object"] == "chat.completion"
+    assert reply["model"] == "policy-a/1"
     choice = reply["choices"][0]
     # The first generated token is <|im_end|>: generation stops there and the reply is empty.
     assert choice["message"] == {"role": "assistant", "content": ""}
     assert choice["finish_reason"] == "stop"
-    assert reply["usage"]["completion_tokens"] <= 1
+    assert reply["usage"]["completion_tokens"] == 0
+    assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] > 0
+
+
+def test_invocations_answers_a_chat_request_with_one_completion_cut_at_max_tokens(store, tmp_path: Path) -> None:
+    """The scoring server `mlflow models serve` runs, on the registered version: an OpenAI-style request
+    gets one chat completion object naming the registered name and version, cut with finish_reason length."""
+    client, uri, run_id = store
+    for name, policy in (("first", never_ending_policy()), ("second", eager_end_of_turn_policy())):
+        save_causal_lm(*policy, tmp_path / name / "model")
+    register(client, uri, run_id, "policy-c", stage_output("ppo", tmp_path / "first"), {}, CHALLENGER_ALIAS)
+    newest = register(client, uri, run_id, "policy-c", stage_output("ppo", tmp_path / "second"), {}, alias=None)
+    assert newest.version == "2"  # the alias, not the newest version, decides what is served
+
+    mlflow.set_tracking_uri(uri)
+    server = TestClient(scoring_app(mlflow.pyfunc.load_model(f"models:/policy-c@{CHALLENGER_ALIAS}")))
+    request = {"model": "anything", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3}
+    response = server.post("/invocations", json={**request, "temperature": 0})
+
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert isinstance(reply, dict) and reply["object"] == "chat.completion"
+    assert reply["id"].startswith("chatcmpl-") and isinstance(reply["created"], int)
+    assert reply["model"] == "policy-c/1"
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"].count("Hello") == 3
+    assert reply["usage"]["completion_tokens"] == 3
+
+    bad = server.post("/invocations", json={"messages": [], "max_tokens": 3})
+    assert bad.status_code == 400 and "messages" in bad.text
 
 
 def test_unchanged_content_reuses_the_version_and_new_content_moves_the_alias(
@@ -104,7 +148,11 @@ def test_unchanged_content_reuses_the_version_and_new_content_moves_the_alias(
     assert str(client.get_model_version_by_alias("policy-b", CHALLENGER_ALIAS).version) == newer.version
 
 
-def test_reward_model_scores_like_the_reward_model_itself(store, tmp_path: Path) -> None:
+def test_reward_model_scores_like_the_reward_model_itself(
+    store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logged from code: the stored model holds its source file and no pickle, and it loads and serves
+    (`mlflow models serve`'s scoring server) with MLflow's pickle deserialisation turned off."""
     client, uri, run_id = store
     lm, tokenizer = load_base_model(ModelConfig(kind="tiny"))
     reward_model = RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), seed=3).eval()
@@ -117,7 +165,16 @@ def test_reward_model_scores_like_the_reward_model_itself(store, tmp_path: Path)
         {"messages": [{"role": "user", "content": "Is the sky blue?"}], "reply": "No."},
     ]
     mlflow.set_tracking_uri(uri)
-    scores = mlflow.pyfunc.load_model(registered.uri).predict(requests)
+    stored = Path(mlflow.artifacts.download_artifacts(registered.uri, dst_path=str(tmp_path / "stored")))
+    names = {path.relative_to(stored).as_posix() for path in stored.rglob("*") if path.is_file()}
+    assert "reward_scorer_code.py" in names
+    assert not [name for name in names if name.endswith(".pkl")]
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    loaded = mlflow.pyfunc.load_model(registered.uri)
+    scores = loaded.predict(requests)
+    served = TestClient(scoring_app(loaded)).post("/invocations", json={"inputs": requests})
+    assert served.status_code == 200, served.text
+    assert served.json()["predictions"] == pytest.approx(scores)
 
     expected = []
     with torch.no_grad():

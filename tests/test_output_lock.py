@@ -1,6 +1,7 @@
 """One writer per output directory (rlhf_core/output_lock.py): a second writer fails at once naming the
-holder, a lock left by a killed process is taken over, and two real `rlhf sft` processes on one `--out`
-cannot mix their outputs; a SIGKILL of the lock-holding stage is followed by a successful rerun."""
+holder, a lock left by a killed process is taken over, and two real `rlhf sft` (or `rlhf eval`)
+processes on one `--out` cannot mix their outputs; a SIGKILL of the lock-holding stage is followed by a
+successful rerun. Every stage that writes an output directory takes the lock, eval and score-pairs too."""
 
 from __future__ import annotations
 
@@ -16,17 +17,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import ROOT, TINY, hh_pair, one_thread, tiny_config  # noqa: F401
+from fixtures.tiny_ppo import ROOT, TINY, hh_pair, save_rm_output, save_sft_output, tiny_config  # noqa: F401
 
+from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock
+from rlhf_core.stages.evaluate import run_evaluate
 from rlhf_core.stages.prepare_data import run_prepare_data
+from rlhf_core.stages.reward import score_pair_file
 from rlhf_core.stages.sft import run_sft
 from rlhf_core.training.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
 from rlhf_core.output_lock import output_lock
+
 with output_lock(Path(sys.argv[1]), "holder"):
     print("locked", flush=True)
     time.sleep(600)
@@ -57,6 +64,14 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A finished SFT output and a finished reward-model output (tiny, untrained), to evaluate with."""
+    root = tmp_path_factory.mktemp("lock-models")
+    tokenizer = load_tiny_model()[1]
+    return save_sft_output(root / "sft", tokenizer, seed=0), save_rm_output(root / "reward", tokenizer, seed=1)
+
+
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -73,13 +88,13 @@ def lock_pid(out: Path) -> int | None:
 
 def rlhf_sft(data_dir: Path, out: Path, *overrides: str) -> subprocess.Popen[str]:
     settings = [item for override in overrides for item in ("-s", override)]
+    return rlhf("sft", "-c", TINY, *settings, "--data-dir", data_dir, "--out", out)
+
+
+def rlhf(*args: str | Path) -> subprocess.Popen[str]:
+    """`rlhf ARGS...` started in its own process."""
     return subprocess.Popen(
-        [*CLI, "sft", "-c", str(TINY), *settings, "--data-dir", str(data_dir), "--out", str(out)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [*CLI, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
@@ -132,6 +147,21 @@ def test_stages_refuse_a_locked_output_before_touching_it(
     assert [path.name for path in out.iterdir()] == ["metrics.json"]
 
 
+def test_eval_and_score_pairs_refuse_a_locked_output_before_touching_it(
+    holder: subprocess.Popen[str], tmp_path: Path, data_dir: Path, models: tuple[Path, Path]
+) -> None:
+    sft_dir, rm_dir = models
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.json").write_text("{}")
+    with pytest.raises(OutputLockedError, match=f"pid {holder.pid} on host .* \\(stage holder"):
+        run_evaluate(tiny_config(), data_dir, sft_dir, sft_dir, out, rm_dir=rm_dir)
+    with pytest.raises(OutputLockedError, match=f"pid {holder.pid}"):
+        score_pair_file(tiny_config(), rm_dir, str(data_dir / "rm_val.parquet"), out)
+    assert [path.name for path in out.iterdir()] == ["metrics.json"]
+    assert score_pair_file(tiny_config(), rm_dir, str(data_dir / "rm_val.parquet")).accuracy.pairs > 0  # no --out
+
+
 # --- real processes ---------------------------------------------------------------------------------------
 
 
@@ -178,4 +208,38 @@ def test_a_sigkill_while_the_stage_holds_the_lock_is_followed_by_a_successful_re
     assert f"taking over the lock left by pid {victim.pid} on host" in stderr
     assert "sft: trained 4 steps (resumed from checkpoint step" in stdout
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+    assert not lock_path(out).exists()
+
+
+@pytest.mark.slow
+def test_two_rlhf_eval_runs_into_one_out_dir_cannot_mix_their_outputs(
+    data_dir: Path, models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As for sft: the first evaluation, paused while holding the lock, is refused to the second, and
+    the output is wholly the first one's (8 prompts, not the second's 4)."""
+    sft_dir, rm_dir = models
+    out = tmp_path / "eval"
+
+    def rlhf_eval(max_prompts: int) -> subprocess.Popen[str]:
+        return rlhf(
+            "eval", "-c", TINY, "-s", f"evaluation.max_prompts={max_prompts}", "--a", sft_dir, "--b", sft_dir,
+            "--rm-dir", rm_dir, "--data-dir", data_dir, "--out", out,
+        )
+
+    first = rlhf_eval(8)
+    wait_for(lambda: lock_pid(out) == first.pid or first.poll() is not None, "the first run to take the lock")
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = rlhf_eval(4)
+        _, second_err = second.communicate(timeout=240)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, first_err = first.communicate(timeout=300)
+
+    assert second.returncode == 1
+    host = socket.gethostname()
+    assert f"is being written by another process: pid {first.pid} on host {host} (stage evaluate" in second_err
+    assert first.returncode == 0, first_err
+    assert json.loads((out / "metrics.json").read_text())["pairs"] == 8
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 8
     assert not lock_path(out).exists()

@@ -16,7 +16,6 @@ from fixtures.tiny_ppo import (  # noqa: F401
     ROOT,
     TINY,
     StageInputs,
-    one_thread,
     save_sft_output,
     tiny_config,
     write_stage_inputs,
@@ -27,6 +26,8 @@ from rlhf_core.stages.ppo import run_ppo
 from rlhf_core.stages.reward import run_train_rm
 from rlhf_core.stages.sft import run_sft
 from rlhf_core.stages.training_run import RUN_INPUTS_FILE, ResumeMismatchError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CLI = [sys.executable, "-c", "from rlhf_cli.main import main; main()"]
 
@@ -86,6 +87,25 @@ def test_the_reward_model_refuses_other_settings_naming_them_and_stays_finished(
     with pytest.raises(FileNotFoundError, match="nowhere"):
         run_train_rm(tiny_config(), tmp_path / "nowhere", finished_sft, finished_rm)
     assert snapshot(finished_rm) == before
+
+
+def test_the_reward_model_identifies_its_sft_model_by_content(
+    inputs: StageInputs, finished_sft: Path, finished_rm: Path, tmp_path: Path
+) -> None:
+    """As PPO does: the same SFT model under a rewritten metrics.json is the same input (the run resumes),
+    another SFT model beside byte-identical metrics.json is not (refused, naming it)."""
+    same_model = tmp_path / "same-sft"
+    shutil.copytree(finished_sft / "model", same_model / "model")
+    metrics = json.loads((finished_sft / "metrics.json").read_text())
+    (same_model / "metrics.json").write_text(json.dumps({**metrics, "wall_seconds": metrics["wall_seconds"] + 1}))
+    resumed = run_train_rm(tiny_config(), inputs.data_dir, same_model, finished_rm)
+    assert resumed.metrics["resumed_from"] == resumed.metrics["steps"] == 4
+
+    other_model = save_sft_output(tmp_path / "other-sft", load_tiny_model()[1], seed=5)
+    shutil.copyfile(finished_sft / "metrics.json", other_model / "metrics.json")
+    with pytest.raises(ResumeMismatchError, match=r"SFT model changed \(sha256 [0-9a-f]{12} -> [0-9a-f]{12}\)"):
+        run_train_rm(tiny_config(), inputs.data_dir, other_model, finished_rm)
+    assert (finished_rm / "metrics.json").is_file()
 
 
 def test_checkpoints_that_record_no_inputs_are_refused(inputs: StageInputs, tmp_path: Path) -> None:

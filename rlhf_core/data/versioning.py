@@ -17,14 +17,13 @@ stage reads every file in it. A new file is checked in the context of that direc
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.atomic import atomic_file
 from rlhf_core.config import DataConfig
 from rlhf_core.data.formats import parse_row
 from rlhf_core.data.prepare import split_config
@@ -197,11 +196,6 @@ def merge_into_raw(path: Path, raw_dir: Path) -> Path:
     target = raw_dir / path.name
     if target.exists():
         raise FileExistsError(f"{target} already exists; rename the new file to add it")
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=raw_dir)
-    os.close(handle)
-    try:
-        shutil.copyfile(path, temp_name)
-        os.replace(temp_name, target)
-    finally:
-        Path(temp_name).unlink(missing_ok=True)  # already renamed away on success
+    with atomic_file(target) as temporary:  # a killed copy's temporary file goes on the next add
+        shutil.copyfile(path, temporary)
     return target

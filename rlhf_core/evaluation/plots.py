@@ -8,12 +8,12 @@ the Agg canvas (no pyplot, no global backend switch) and written atomically.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rlhf_core.atomic import atomic_file
 from rlhf_core.evaluation.report import EvaluationReport, OutcomeSummary
 
 SEGMENTS = (("win", "A wins", "#4c9f70"), ("tie", "tie", "#b8b8b8"), ("lose", "B wins", "#d1495b"))
@@ -53,8 +53,6 @@ def plot_win_tie_lose(report: EvaluationReport, path: str | Path) -> Path:
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     figure.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, path)
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, format="png")
     return path

@@ -10,7 +10,6 @@ backend switch), written atomically.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rlhf_core.atomic import atomic_file
 from rlhf_core.ppo.selection import ValidationRecord, paired_difference
 
 
@@ -92,10 +92,8 @@ def plot_panel(history: Sequence[dict[str, float]], panel: Panel, path: Path) ->
 def _save(figure: Figure, path: Path) -> Path:
     """Write `figure` to `path` as PNG, atomically."""
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, path)
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, format="png")
     return path
 
 

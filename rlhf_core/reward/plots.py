@@ -7,13 +7,13 @@ atomically, so a crash never leaves a half-written PNG.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rlhf_core.atomic import atomic_file
 from rlhf_core.reward.metrics import pair_accuracy
 
 
@@ -40,8 +40,6 @@ def plot_margin_histogram(
     )
     figure.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, path)
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, format="png")
     return path

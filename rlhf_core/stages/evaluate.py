@@ -20,13 +20,15 @@ Outputs in `out_dir`:
 Everything that can be checked before the slow work is checked first: the judge and its
 configuration, the model and reward-model directories, other judges' verdict files, the eval split. A rerun into the
 same `out_dir` regenerates the replies (same seed, same replies on the same hardware) and reuses every
-cached LLM verdict.
+cached LLM verdict. The stage holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py):
+a second evaluation into the same directory fails at once, naming the first.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -39,9 +41,10 @@ from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
 from rlhf_core.atomic import atomic_write_text
-from rlhf_core.evaluation.judges.verdicts import Judge
+from rlhf_core.evaluation.judges.verdicts import Judge, Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.outputs import (
+    GeneratedPair,
     generation_rows,
     read_generations,
     read_verdicts,
@@ -51,11 +54,13 @@ from rlhf_core.evaluation.outputs import (
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import JudgedPair, build_report, render_markdown
+from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report, render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.stages.ppo import model_dir_sha256, reward_record
+from rlhf_core.output_lock import output_lock
+from rlhf_core.stages.ppo import reward_record
 from rlhf_core.stages.result import METRICS_FILE, StageResult, write_metrics
+from rlhf_core.stages.training_run import model_dir_sha256
 from rlhf_core.training.logger import MetricsLogger, NullLogger
 
 JudgeKind = Literal["rm", "llm"]
@@ -84,9 +89,10 @@ def check_judge(judge: str, rm_dir: Path | None) -> None:
 
 
 def model_replies(
-    config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device
+    config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device, label: str
 ) -> tuple[list[Reply], float, int]:
-    """One model's replies to `prompts`, and its perplexity on their held-out reference replies (and count)."""
+    """One model's replies to `prompts` (a progress bar named by `label` counts them), and its perplexity on
+    their held-out reference replies (and count)."""
     model, tokenizer = load_causal_lm(model_dir, dtype=DTYPES[config.model.dtype], device=device)
     replies = generate_replies(
         model,
@@ -95,6 +101,7 @@ def model_replies(
         config.evaluation.generation,
         GENERATION_BATCH_SIZE,
         config.seed,
+        desc=f"eval: {label}",
     )
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, measured = reply_perplexity(
@@ -148,6 +155,78 @@ def judge_in_sample(model_a: Path, rm_dir: Path, claimed: bool | None) -> bool:
     return in_sample
 
 
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What `run_evaluate` resolves and checks before any slow work, so a bad input fails in seconds."""
+
+    dir_a: Path
+    dir_b: Path
+    prompts: list[EvalPrompt]
+    endpoint: LlmEndpoint | None  # the LLM judge's, else None
+    in_sample: bool  # the reward-model judge is the one PPO optimised against
+    others: dict[str, dict[str, Verdict]]  # other judges' verdicts on the same pairs, by judge name
+
+
+def check_inputs(
+    config: Config,
+    data_dir: Path,
+    model_a: Path,
+    model_b: Path,
+    judge: JudgeKind,
+    rm_dir: Path | None,
+    rm_in_sample: bool | None,
+    other_verdicts: Sequence[Path],
+) -> CheckedInputs:
+    """The judge and its configuration, the model and reward-model directories, other judges' verdict
+    files and the eval split, checked in that order (see `run_evaluate` for the arguments)."""
+    check_judge(judge, rm_dir)
+    endpoint = LlmEndpoint.from_environment(config.evaluation.llm_model) if judge == "llm" else None
+    if rm_dir is not None:
+        resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)
+    in_sample = judge == "rm" and rm_dir is not None and judge_in_sample(Path(model_a), rm_dir, rm_in_sample)
+    dir_a, dir_b = resolve_model_dir(model_a), resolve_model_dir(model_b)
+    others = dict(read_verdicts(Path(path)) for path in other_verdicts)
+    prompts = evaluation_prompts(Path(data_dir), config.evaluation.max_prompts)
+    return CheckedInputs(dir_a, dir_b, prompts, endpoint, in_sample, others)
+
+
+def generate_pairs(
+    config: Config, checked: CheckedInputs, out_dir: Path, device: torch.device, logger: MetricsLogger
+) -> tuple[list[GeneratedPair], AlignmentTax]:
+    """Both models' replies, stored in generations.jsonl and read back (the judge sees exactly what was
+    stored), and the alignment tax: each model's perplexity on the held-out reference replies."""
+    replies_a, perplexity_a, measured = model_replies(config, checked.dir_a, checked.prompts, device, "model A")
+    logger.log_metrics({"progress": 0.3}, step=1)
+    replies_b, perplexity_b, _ = model_replies(config, checked.dir_b, checked.prompts, device, "model B")
+    logger.log_metrics({"progress": 0.6}, step=2)
+    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(checked.prompts, replies_a, replies_b))
+    tax = AlignmentTax(replies=measured, perplexity_a=perplexity_a, perplexity_b=perplexity_b)
+    return read_generations(out_dir / GENERATIONS_FILE), tax
+
+
+def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgement]) -> list[JudgedPair]:
+    """The report's view of each judged pair."""
+    return [
+        JudgedPair(
+            item.pair.pair_key,
+            item.pair.category,
+            item.tokens_a,
+            item.tokens_b,
+            judgement.verdict,
+            judgement.score_diff,
+        )
+        for item, judgement in zip(generated, judgements)
+    ]
+
+
+def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None:
+    """report.json, report.md (with model A's PPO evidence, when it is a PPO output) and the chart."""
+    atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
+    evidence = ppo_evidence_markdown(Path(model_a))
+    atomic_write_text(out_dir / REPORT_MD, render_markdown(report) + (f"\n{evidence}" if evidence else ""))
+    plot_win_tie_lose(report, out_dir / PLOT_FILE)
+
+
 def run_evaluate(
     config: Config,
     data_dir: Path,
@@ -170,72 +249,45 @@ def run_evaluate(
     the verdicts as in-sample). `other_verdicts`: verdicts.jsonl files of other judges on the same
     pairs, for agreement figures. `judge_cache_dir`: the LLM judge's cache (default
     `out_dir/judge_cache`). `names`: how the report names A and B (default: the paths given).
+    Holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py), and checks every input
+    before it touches `out_dir`, so a rerun that fails on its inputs leaves a finished evaluation finished.
     """
     started = time.perf_counter()
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    out_dir = Path(out_dir)
     logger = logger if logger is not None else NullLogger()
-    check_judge(judge, rm_dir)
-    endpoint = LlmEndpoint.from_environment(config.evaluation.llm_model) if judge == "llm" else None
-    if rm_dir is not None:
-        resolve_model_dir(rm_dir, REWARD_MODEL_MARKER)  # fail now, not after generating
-    in_sample = judge == "rm" and rm_dir is not None and judge_in_sample(Path(model_a), rm_dir, rm_in_sample)
-    dir_a, dir_b = resolve_model_dir(model_a), resolve_model_dir(model_b)
-    others = dict(read_verdicts(Path(path)) for path in other_verdicts)
-    prompts = evaluation_prompts(data_dir, config.evaluation.max_prompts)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
-    logger.log_params(
-        {
-            "evaluation": config.evaluation.model_dump(mode="json"),
-            "judge": judge,
-            "model_a": str(model_a),
-            "model_b": str(model_b),
-            "seed": config.seed,
-        }
-    )
-    logger.log_metrics({"progress": 0.0}, step=0)
-
-    replies_a, perplexity_a, measured = model_replies(config, dir_a, prompts, device)
-    logger.log_metrics({"progress": 0.3}, step=1)
-    replies_b, perplexity_b, _ = model_replies(config, dir_b, prompts, device)
-    logger.log_metrics({"progress": 0.6}, step=2)
-    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(prompts, replies_a, replies_b))
-    generated = read_generations(out_dir / GENERATIONS_FILE)  # the judge sees exactly what was stored
-
-    judge_impl = build_judge(
-        config, judge, rm_dir, in_sample, endpoint, judge_cache_dir or out_dir / JUDGE_CACHE_DIR, device
-    )
-    judgements = judge_impl.judge([item.pair for item in generated])
-    info = judge_impl.info()
-    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated, judgements, info.name))
-    logger.log_metrics({"progress": 0.9}, step=3)
-
-    report = build_report(
-        [
-            JudgedPair(
-                item.pair.pair_key,
-                item.pair.category,
-                item.tokens_a,
-                item.tokens_b,
-                judgement.verdict,
-                judgement.score_diff,
-            )
-            for item, judgement in zip(generated, judgements)
-        ],
-        info,
-        *(names or (str(model_a), str(model_b))),
-        config.evaluation.generation,
-        config.seed,
-        alignment_tax=AlignmentTax(replies=measured, perplexity_a=perplexity_a, perplexity_b=perplexity_b),
-        other_judges=others,
-    )
-    atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
-    evidence = ppo_evidence_markdown(Path(model_a))
-    atomic_write_text(out_dir / REPORT_MD, render_markdown(report) + (f"\n{evidence}" if evidence else ""))
-    plot_win_tie_lose(report, out_dir / PLOT_FILE)
-    metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
-    logger.log_metrics({"progress": 1.0}, step=4)
-    write_metrics(out_dir, metrics)
+    with output_lock(out_dir, "evaluate"):
+        checked = check_inputs(config, data_dir, model_a, model_b, judge, rm_dir, rm_in_sample, other_verdicts)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
+        logger.log_params(
+            {
+                "evaluation": config.evaluation.model_dump(mode="json"),
+                "judge": judge,
+                "model_a": str(model_a),
+                "model_b": str(model_b),
+                "seed": config.seed,
+            }
+        )
+        logger.log_metrics({"progress": 0.0}, step=0)
+        generated, tax = generate_pairs(config, checked, out_dir, device, logger)
+        cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
+        judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
+        judgements = judge_impl.judge([item.pair for item in generated])
+        info = judge_impl.info()
+        write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated, judgements, info.name))
+        logger.log_metrics({"progress": 0.9}, step=3)
+        report = build_report(
+            judged_pairs(generated, judgements),
+            info,
+            *(names or (str(model_a), str(model_b))),
+            config.evaluation.generation,
+            config.seed,
+            alignment_tax=tax,
+            other_judges=checked.others,
+        )
+        write_report(report, Path(model_a), out_dir)
+        metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
+        logger.log_metrics({"progress": 1.0}, step=4)
+        write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=None)

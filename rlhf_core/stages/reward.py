@@ -12,8 +12,9 @@ reused by every later epoch and validation (`reward.cache_frozen_layers`, rlhf_c
 
 The output model is the checkpoint with the best validation accuracy: every improvement is saved to
 model/ (loadable with `RewardModel.from_pretrained`, as PPO does). At the end that model is scored on
-every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses) and
-plots/reward_margin_hist.png (the paper's Figure 2); training_data.json records the splits it was
+every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses),
+plots/reward_margin_hist.png (the paper's Figure 2) and validation_pairs.jsonl (each pair with both
+scores, rlhf_core/reward/validation_table.py); training_data.json records the splits it was
 trained and validated on and the model it started from (rlhf_core/reward/training_data.py). The same
 function trains the independent judge reward model on the PPO-prompt split (stages/judge_reward.py).
 
@@ -45,6 +46,8 @@ from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import HEAD_CONFIG_FILE
+from rlhf_core.output_lock import output_lock
+from rlhf_core.progress import ProgressCallback, progress
 from rlhf_core.reward.batch import EncodedPairs, PairBatch, collate_pairs, encode_pairs, padded_pair_length
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
@@ -52,29 +55,30 @@ from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
 from rlhf_core.reward.scoring import PairScores, pair_outputs, score_pair_batches
 from rlhf_core.reward.training_data import TrainSplit, training_data_record, write_training_data
+from rlhf_core.reward.validation_table import validation_pair_rows, write_validation_pairs
 from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
 from rlhf_core.stages.prepare_data import resolve_sources
-from rlhf_core.stages.result import METRICS_FILE, StageResult, read_metrics, write_metrics
+from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     CHECKPOINTS_DIR,
-    HISTORY_FILE,
     MODEL_DIR,
     RunInputs,
     RunState,
     check_resumable,
     file_sha256,
     loop_config,
+    loop_logger,
     mark_incomplete,
+    model_dir_sha256,
     record_run_inputs,
     stage_lock,
-    stage_logger,
     stage_settings,
     training_device,
 )
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
 from rlhf_core.training.freezing import enable_gradient_checkpointing
-from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
+from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import total_steps, train
 
 MARGIN_PLOT = Path("plots") / "reward_margin_hist.png"
@@ -89,7 +93,8 @@ def initial_language_model(
     config: Config, sft_dir: Path | None, device: torch.device
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, str]]:
     """The causal LM the reward model starts from, its tokenizer, and the sha256 that identifies it
-    (of the SFT output's metrics.json; the base model is identified by the `model` settings)."""
+    (the content hash of the SFT model directory, as PPO identifies its input models; the base model
+    is identified by the `model` settings)."""
     if config.reward.init_from == "base":
         model, tokenizer = load_base_model(config.model, device)
         return model, tokenizer, {}
@@ -97,7 +102,7 @@ def initial_language_model(
         raise ValueError("reward.init_from is 'sft' but no SFT output directory was given")
     read_metrics(sft_dir)  # refuses an SFT output that has not finished
     model, tokenizer = load_causal_lm(sft_dir / MODEL_DIR, dtype=DTYPES[config.model.dtype], device=device)
-    return model, tokenizer, {"SFT output": file_sha256(sft_dir / METRICS_FILE)}
+    return model, tokenizer, {"SFT model": model_dir_sha256(sft_dir / MODEL_DIR)}
 
 
 def initial_reward_model(
@@ -216,6 +221,53 @@ def run_train_rm(
         return _run_train_rm(config, Path(data_dir), sft_dir, Path(out_dir), logger, train_split)
 
 
+def encode_reward_pairs(
+    tokenizer: PreTrainedTokenizerBase,
+    train_records: list[PreferencePair],
+    val_records: list[PreferencePair],
+    settings: RewardConfig,
+    data_dir: Path,
+    train_split: TrainSplit,
+) -> tuple[EncodedPairs, EncodedPairs]:
+    """The training and validation pairs, encoded; refuses a split with nothing usable."""
+    train_pairs = encode_pairs(tokenizer, train_records, settings.max_length)
+    val_pairs = encode_pairs(tokenizer, val_records, settings.max_length)
+    if not val_pairs.pairs:
+        raise ValueError(f"{data_dir}: the rm_val split has no usable pairs; the reward model cannot be selected")
+    if not train_pairs.pairs:
+        raise ValueError(f"{data_dir}: the {train_split} split has no usable pairs to train the reward model on")
+    return train_pairs, val_pairs
+
+
+def begin_writing(out_dir: Path, inputs: RunInputs, is_main: bool) -> RunState:
+    """Refuse checkpoints of other inputs, then claim `out_dir` for this run: from here on it writes, so the
+    output is not complete until it is done; the run's inputs are recorded before its first checkpoint."""
+    checkpoint_dir = out_dir / CHECKPOINTS_DIR
+    check_resumable(checkpoint_dir, inputs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out_dir)
+    if is_main:
+        record_run_inputs(checkpoint_dir, inputs)
+    return RunState(inputs.fingerprint, checkpoint_dir)
+
+
+def final_metrics(
+    config: Config,
+    model_dir: Path,
+    val_batches: list[PairBatch],
+    cache: FrozenLowerCache | None,
+    out_dir: Path,
+    val_records: tuple[list[PreferencePair], list[int]],
+) -> Metrics:
+    """The selected model scored on every validation pair (metrics.json's figures), Figure 2 of them, and
+    the table of each pair's scores (`val_records`: the validation pairs and the indices of the encoded ones)."""
+    best = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=training_device())
+    scores = score_pair_batches(best, val_batches, cache, config.reward.beta_rm > 0)
+    plot_margin_histogram(scores.margins, out_dir / MARGIN_PLOT)
+    write_validation_pairs(out_dir, validation_pair_rows(*val_records, val_batches, scores))
+    return validation_metrics(scores, config.reward.beta_rm)
+
+
 def _run_train_rm(
     config: Config,
     data_dir: Path,
@@ -232,37 +284,22 @@ def _run_train_rm(
     device = training_device()
     model, tokenizer, init_hashes = initial_reward_model(config, sft_dir, device)
     pad_id = tokenizer.pad_token_id
-    train_pairs = encode_pairs(tokenizer, train_records, settings.max_length)
-    val_pairs = encode_pairs(tokenizer, val_records, settings.max_length)
-    if not val_pairs.pairs:
-        raise ValueError(
-            f"{data_dir}: the rm_val split has no usable pairs; the reward model cannot be selected"
-        )
-    if not train_pairs.pairs:
-        raise ValueError(f"{data_dir}: the {train_split} split has no usable pairs to train the reward model on")
+    train_pairs, val_pairs = encode_reward_pairs(tokenizer, train_records, val_records, settings, data_dir, train_split)
     train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
     val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, pad_id)
-    with_lm = settings.beta_rm > 0
     model_dir = out_dir / MODEL_DIR
-    checkpoint_dir = out_dir / CHECKPOINTS_DIR
     inputs = RunInputs(
         {**stage_settings(config, "reward"), "train_split": train_split},
         {"data": file_sha256(data_dir / REPORT_FILE), **init_hashes},
     )
-    check_resumable(checkpoint_dir, inputs)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mark_incomplete(out_dir)  # from here on this run writes: the output is not complete until it is done
-    if context.is_main:
-        record_run_inputs(checkpoint_dir, inputs)
-    run_state = RunState(inputs.fingerprint, checkpoint_dir)
+    run_state = begin_writing(out_dir, inputs, context.is_main)
 
     def collate(indices: list[int]) -> PairBatch:
         return collate_pairs([train_pairs.pairs[i] for i in indices], indices, pad_id).to(device)
 
     def evaluate(model: nn.Module, max_batches: int | None) -> Metrics:
-        return validation_metrics(
-            score_pair_batches(model, val_batches[:max_batches], val_cache, with_lm), settings.beta_rm
-        )
+        scores = score_pair_batches(model, val_batches[:max_batches], val_cache, settings.beta_rm > 0)
+        return validation_metrics(scores, settings.beta_rm)
 
     def save_best(model: nn.Module, step: int, metrics: Metrics) -> None:
         model.save_pretrained(model_dir, tokenizer)
@@ -270,9 +307,7 @@ def _run_train_rm(
 
     plan = pair_batch_plan(train_pairs, settings, config.seed, context.world_size)
     loop = loop_config(settings, config, "warmup_constant")
-    history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
-    try:
-        logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
+    with loop_logger(out_dir, logger, total_steps(loop, plan), context.is_main) as logger_for_loop:
         logger_for_loop.log_params(
             {"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir), "train_split": train_split}
         )
@@ -286,22 +321,16 @@ def _run_train_rm(
             evaluate=evaluate,
             select_best=("val/accuracy", "max"),
             on_best=save_best,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=run_state.checkpoint_dir,
             logger=logger_for_loop,
             extra_state=run_state,
             distributed=config.distributed,
         )
-    finally:
-        if history is not None:
-            history.close()
     if not context.is_main:  # rank 0 saved the best model and writes the stage's figures
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
 
-    best = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=device)
-    scores = score_pair_batches(best, val_batches, val_cache, with_lm)
-    plot_margin_histogram(scores.margins, out_dir / MARGIN_PLOT)
     metrics = {
-        **validation_metrics(scores, settings.beta_rm),
+        **final_metrics(config, model_dir, val_batches, val_cache, out_dir, (val_records, val_pairs.kept)),
         **run_state.values,
         "steps": float(result.final_step),
         "resumed_from": float(result.resumed_from),
@@ -354,13 +383,49 @@ def read_pairs(source: str, config: Config) -> tuple[list[PreferencePair], int]:
 
 
 def score_pair_file(
-    config: Config, model_path: Path, source: str, out_dir: Path | None = None
+    config: Config,
+    model_path: Path,
+    source: str,
+    out_dir: Path | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> PairFileScores:
     """Score every pair of `source` with the reward model at `model_path`; optionally write the results.
 
-    With `out_dir`: metrics.json (accuracy, interval, margins, counts) and plots/reward_margin_hist.png.
+    A progress bar counts the pairs scored (rlhf_core/progress.py), and `on_progress(done, total)` with it.
+
+    With `out_dir`: metrics.json (accuracy, interval, margins, counts) and plots/reward_margin_hist.png,
+    written holding the output lock of `out_dir` for the whole run (rlhf_core/output_lock.py), so two
+    runs into one directory cannot mix their figures; nothing is written there until the scores exist.
     """
-    directory = reward_model_dir(Path(model_path))
+    if out_dir is None:
+        return _score_pair_file(config, Path(model_path), source, on_progress)
+    out_dir = Path(out_dir)
+    with output_lock(out_dir, "score-pairs"):
+        result = _score_pair_file(config, Path(model_path), source, on_progress)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mark_incomplete(out_dir)  # a finished directory stays finished until this run writes
+        plot_margin_histogram(
+            result.scores.margins, out_dir / MARGIN_PLOT, title=f"Reward margins on {Path(source).name}"
+        )
+        write_metrics(
+            out_dir,
+            {
+                "accuracy": result.accuracy.accuracy,
+                "accuracy_low": result.accuracy.low,
+                "accuracy_high": result.accuracy.high,
+                "margin_mean": result.accuracy.mean_margin,
+                "pairs": float(result.accuracy.pairs),
+                "rows_dropped": float(result.rows_dropped),
+                "pairs_too_long": float(result.pairs_too_long),
+            },
+        )
+    return result
+
+
+def _score_pair_file(
+    config: Config, model_path: Path, source: str, on_progress: ProgressCallback | None
+) -> PairFileScores:
+    directory = reward_model_dir(model_path)
     device = training_device()
     model = RewardModel.from_pretrained(directory, dtype=DTYPES[config.model.dtype], device=device)
     tokenizer = load_tokenizer(directory)
@@ -377,24 +442,6 @@ def score_pair_file(
     batches = (
         collate_pairs([encoded.pairs[i] for i in chunk], chunk, tokenizer.pad_token_id) for chunk in chunks
     )
-    scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False)
-    result = PairFileScores(pair_accuracy(scores.margins), scores, dropped, len(encoded.too_long))
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        plot_margin_histogram(
-            scores.margins, out_dir / MARGIN_PLOT, title=f"Reward margins on {Path(source).name}"
-        )
-        write_metrics(
-            out_dir,
-            {
-                "accuracy": result.accuracy.accuracy,
-                "accuracy_low": result.accuracy.low,
-                "accuracy_high": result.accuracy.high,
-                "margin_mean": result.accuracy.mean_margin,
-                "pairs": float(result.accuracy.pairs),
-                "rows_dropped": float(dropped),
-                "pairs_too_long": float(len(encoded.too_long)),
-            },
-        )
-    return result
+    with progress(len(encoded.pairs), "score-pairs", "pair", on_progress) as scored:
+        scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False, on_scored=scored.advance)
+    return PairFileScores(pair_accuracy(scores.margins), scores, dropped, len(encoded.too_long))

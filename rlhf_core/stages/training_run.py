@@ -9,6 +9,8 @@
 * `RunState` is the loop's extra checkpoint state for a stage: the same fingerprint inside every
   checkpoint, and figures measured before the first step (e.g. the base model's perplexity), so a
   resumed run does not recompute them.
+* `loop_logger`: history.jsonl (plus the caller's logger) on rank 0, nothing on the others.
+* `file_sha256`, `model_dir_sha256`: how a run's inputs are identified (by content).
 * `stage_lock`: the output lock (rlhf_core/output_lock.py) as the rank that writes the outputs holds it.
 * `loop_config` maps a stage's config section onto the loop's settings.
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ from rlhf_core.distributed.context import rank_context
 from rlhf_core.output_lock import output_lock
 from rlhf_core.stages.result import METRICS_FILE
 from rlhf_core.training.checkpoint import latest_checkpoint
-from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger, RewindableLogger
+from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import ScheduleName
 
@@ -39,6 +42,7 @@ HISTORY_FILE = "history.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"
 RUN_INPUTS_FILE = "run_inputs.json"
+READ_CHUNK_BYTES = 1 << 20
 MAX_LISTED_DIFFERENCES = 10
 HOW_TO_PROCEED = (
     "to keep that output, run with another --out; to train from scratch in it, rerun with --restart "
@@ -75,6 +79,20 @@ def stage_logger(history: JsonlLogger, caller: MetricsLogger | None, total_steps
     return ProgressLogger(MultiLogger([history] if caller is None else [history, caller]), total_steps)
 
 
+@contextmanager
+def loop_logger(out_dir: Path, caller: MetricsLogger | None, total_steps: int, is_main: bool) -> Iterator[MetricsLogger]:
+    """The logger a stage hands the loop, closed afterwards: on rank 0 `stage_logger` over out_dir's
+    history.jsonl; on the other ranks, which write nothing, a NullLogger."""
+    if not is_main:
+        yield NullLogger()
+        return
+    history = JsonlLogger(Path(out_dir) / HISTORY_FILE)
+    try:
+        yield stage_logger(history, caller, total_steps)
+    finally:
+        history.close()
+
+
 class ResumeMismatchError(RuntimeError):
     """The checkpoints in an output directory were made by a run with other settings or inputs."""
 
@@ -105,7 +123,9 @@ class RunInputs:
         ]
         old_inputs = recorded.get("inputs", {})
         changed += [
-            f"{name} changed (sha256 {str(old_inputs.get(name))[:12]} -> {digest[:12]})"
+            f"{name} changed (sha256 {old_inputs[name][:12]} -> {digest[:12]})"
+            if name in old_inputs
+            else f"{name} not recorded by that run (it identified its inputs otherwise)"
             for name, digest in self.inputs.items()
             if old_inputs.get(name) != digest
         ]
@@ -126,6 +146,23 @@ def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def file_sha256(path: Path) -> str:
     """sha256 of a file's bytes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def model_dir_sha256(model_dir: Path) -> str:
+    """One sha256 over the relative path and the sha256 of every file of a model directory, sorted.
+
+    The same digest as the orchestration layer's `directory_sha256` of a model directory (the registry's
+    content tag), so a registered reward model and a PPO run's record can be compared.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(item for item in Path(model_dir).rglob("*") if item.is_file()):
+        file_digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(READ_CHUNK_BYTES):
+                file_digest.update(chunk)
+        digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
+        digest.update(file_digest.hexdigest().encode() + b"\n")
+    return digest.hexdigest()
 
 
 def check_resumable(checkpoint_dir: Path, inputs: RunInputs) -> None:
