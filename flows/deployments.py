@@ -1,6 +1,7 @@
-"""The deployments, defined once: `rlhf-pipeline`, `rlhf-promote` and `rlhf-human-eval` (manual,
-parameterised), `rlhf-retrain` (cron), and `rlhf-stage` (one training stage, started by the pipeline for
-its remote stages: flows/remote_stage.py).
+"""The deployments, defined once: `rlhf-pipeline`, `rlhf-promote`, `rlhf-human-eval` and `rlhf-ablation`
+(manual, parameterised), `rlhf-retrain` (weekly cron, and the `rlhf.data.pushed` event of `rlhf data
+add`), and `rlhf-stage` (one training stage, started by the pipeline and the ablation for their remote
+stages: flows/remote_stage.py).
 
 Two ways to run them, from the same definitions:
 - `rlhf serve` serves them from this machine (`serve_deployments`): no work pool or worker needed;
@@ -21,13 +22,16 @@ from typing import Any
 
 from prefect import Flow, serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.events import DeploymentEventTrigger
 from prefect.schedules import Cron
 
+from flows.ablation import rlhf_ablation
 from flows.human_eval import rlhf_human_eval
 from flows.pipeline import rlhf_pipeline
 from flows.promote import rlhf_promote
 from flows.remote_stage import rlhf_stage
 from flows.retrain import rlhf_retrain
+from tasks.data_events import DATA_PUSHED_EVENT, RESOURCE_PREFIX
 from tasks.remote import STAGE_DEPLOYMENT_NAME
 
 TAGS = ("rlhf",)
@@ -51,6 +55,18 @@ class DeploymentSpec:
     concurrency_limit: int | None = None
     tags: tuple[str, ...] = TAGS
     work_pool: str = CPU_POOL  # the pool prefect.yaml deploys it to (`rlhf serve` needs none)
+    triggers: tuple[DeploymentEventTrigger, ...] = ()  # events that start a flow run (Prefect automations)
+
+
+# A new data version from `rlhf data add` starts a retraining on that version (tasks/data_events.py). The
+# trigger sends the whole `settings` parameter, so it names the default's `data` too, from the event.
+RETRAIN_ON_NEW_DATA = DeploymentEventTrigger(
+    name="rlhf-retrain on new data",
+    description="Retrain when `rlhf data add` pushes a new version of the raw preference data.",
+    expect={DATA_PUSHED_EVENT},
+    match={"prefect.resource.id": f"{RESOURCE_PREFIX}*"},
+    parameters={"settings": {"data": "{{ event.payload.path }}", "data_version": "{{ event.payload.version }}"}},
+)
 
 
 DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
@@ -64,10 +80,11 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         name="rlhf-retrain",
         flow=rlhf_retrain,
         entrypoint="flows/retrain.py:rlhf_retrain",
-        description="Weekly: pull the newest DVC data version, rerun the pipeline, gate and promote the challenger.",
+        description="On new data, and weekly: pull the DVC data, rerun the pipeline, gate and promote the challenger.",
         parameters={"settings": {"data": "data/raw"}},
         cron=RETRAIN_CRON,
         concurrency_limit=1,  # a retrain still running when the next is due: the next one waits
+        triggers=(RETRAIN_ON_NEW_DATA,),
     ),
     DeploymentSpec(
         name="rlhf-promote",
@@ -82,6 +99,12 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         entrypoint="flows/human_eval.py:rlhf_human_eval",
         description="People judge model A against model B pair by pair in forms; rerun on the same out_dir to resume.",
         parameters={"settings": {"generations": "artifacts/eval/generations.jsonl", "out_dir": "artifacts/human-eval"}},
+    ),
+    DeploymentSpec(
+        name="rlhf-ablation",
+        flow=rlhf_ablation,
+        entrypoint="flows/ablation.py:rlhf_ablation",
+        description="PPO once per variant of a grid (vanilla, PPO-max, its switches) on one base; evaluated and compared.",
     ),
     DeploymentSpec(
         name=STAGE_DEPLOYMENT_NAME,
@@ -103,6 +126,7 @@ def runner_deployment(spec: DeploymentSpec) -> RunnerDeployment:
         schedules=schedules,
         concurrency_limit=spec.concurrency_limit,
         tags=list(spec.tags),
+        triggers=[trigger.model_copy(deep=True) for trigger in spec.triggers],  # applying one sets its deployment
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
 

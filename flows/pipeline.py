@@ -27,21 +27,24 @@ directory of the process running the flow (`rlhf run`, or `rlhf serve` started i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlhf_core.config import Config, load_config
 from tasks.caching import with_cache_dir
-from tasks.data_source import DataSource, resolve_data_source
+from tasks.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
-from tasks.lineage import pipeline_tags
+from tasks.lineage import data_tags, pipeline_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
+from tasks.preflight import check_services, stage_store_services, tracking_services
 from tasks.registry import RegisteredVersion, lineage_output_tags
 from tasks.remote import RemoteStages, run_training_stage
 from tasks.stages import (
@@ -147,6 +150,10 @@ class PipelineResult(BaseModel):
             lines += evaluation_summary(self.outputs["evaluate"])
         return "\n".join(lines)
 
+    def markdown(self) -> str:
+        """The summary as the `pipeline-summary` artifact of the flow run (a code block keeps its layout)."""
+        return f"# Pipeline run `{self.run_dir.name}`\n\n```\n{self.summary()}\n```\n"
+
 
 def stages_to_run(wanted: list[Stage]) -> set[Stage]:
     """`wanted` and everything they depend on, transitively."""
@@ -169,6 +176,25 @@ def run_directory(runs_dir: Path) -> Path:
     return runs_dir / f"{created:%Y%m%d-%H%M%S}-{context.flow_run.id.hex[-RUN_ID_CHARS:]}"
 
 
+def stages_in_order(selected: set[Stage], config: Config) -> list[Stage]:
+    """The stages `run_stages` runs, in order (judge-reward only when the evaluation trains its judge)."""
+    return [
+        stage
+        for stage in Stage
+        if stage in selected and (stage != Stage.JUDGE_REWARD or config.evaluation.trains_judge_rm)
+    ]
+
+
+def stage_announcer(order: list[Stage]) -> Callable[[Stage], None]:
+    """A function logging `stage <n>/<of>: <name>` to the flow run's log as each stage of `order` starts."""
+    logger = get_run_logger()
+
+    def started(stage: Stage) -> None:
+        logger.info("stage %d/%d: %s", order.index(stage) + 1, len(order), stage.value)
+
+    return started
+
+
 def run_stages(
     config: Config,
     source: DataSource,
@@ -178,20 +204,27 @@ def run_stages(
     lineage: dict[str, str],
     remote: RemoteStages,
 ) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
-    """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere."""
+    """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere.
+    Each says that it starts (`stage 2/7: sft`), so `rlhf run` and the flow run's log show where the run is."""
     outputs: dict[str, StageOutput] = {}
     registered: list[RegisteredVersion] = []
+    started = stage_announcer(stages_in_order(selected, config))
     if Stage.PREPARE_DATA in selected:
+        started(Stage.PREPARE_DATA)
         outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
     if Stage.SFT in selected:
+        started(Stage.SFT)
         outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
     if Stage.REWARD in selected:
+        started(Stage.REWARD)
         outputs["reward"] = run_training_stage(
             reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
         )
     if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
+        started(Stage.JUDGE_REWARD)
         outputs["judge-reward"] = with_cache_dir(judge_reward_task, cache_dir)(config, outputs["prepare-data"], context)
     if Stage.PPO in selected:
+        started(Stage.PPO)
         outputs["ppo"] = run_training_stage(
             ppo_task,
             config,
@@ -202,6 +235,7 @@ def run_stages(
             reward_output=outputs["reward"],
         )
     if Stage.EVALUATE in selected:
+        started(Stage.EVALUATE)
         outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
             config,
             outputs["prepare-data"],
@@ -212,6 +246,7 @@ def run_stages(
             names=("PPO policy", "SFT model"),
         )
     if Stage.REGISTER in selected:
+        started(Stage.REGISTER)
         lineage_stages = ("prepare-data", "sft", "judge-reward")
         made_from = lineage_output_tags({stage: outputs[stage] for stage in lineage_stages if stage in outputs})
         registered = register_task(
@@ -244,7 +279,10 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
     logger = get_run_logger()
     project_dir = Path.cwd()
     config = load_config(settings.params_file, settings.config, settings.overrides)
+    stores = stage_store_services(bool(settings.remote.stages))
+    check_services([*tracking_services(config.tracking.tracking_uri, project_dir), *stores])
     source = resolve_data_source(settings.data or config.data.source, config)
+    config = with_data_source(config, source)  # the params say what the run trained on: the form's data
     runs_dir = Path(settings.runs_dir).resolve()
     run_dir = run_directory(runs_dir)
     lineage = pipeline_tags(config, source)
@@ -256,7 +294,9 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         source.kind,
         tracking.parent_run_id,
     )
-    context = StageContext(run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking)
+    context = StageContext(
+        run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking, data_tags=data_tags(source)
+    )
     try:
         settings.remote.check_tracking(tracking.tracking_uri)
         outputs, registered = run_stages(
@@ -277,5 +317,6 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         outputs=outputs,
         registered=registered,
     )
-    logger.info("%s", result.summary())
+    # The summary as an artifact, not a log line: `rlhf run` prints it once itself, and the UI shows it.
+    create_markdown_artifact(markdown=result.markdown(), key="pipeline-summary", description="Where the run put it all")
     return result

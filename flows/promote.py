@@ -12,8 +12,11 @@ Mode `evaluate` (the default):
    run nested under this flow's own parent run;
 3. apply the gate of `promotion` in params.yaml (tasks/promotion.py); a pass moves `champion` and tags
    the version with the decision and its evidence, a fail leaves the registry unchanged.
-`override` promotes whatever the gate says; it requires a `reason` (the form refuses it without one),
-which is recorded on the version.
+`override` promotes whatever the gate says; it requires a `reason`, which is recorded on the version.
+The rule is written twice: in the form's JSON schema (`FORM_RULES`, an `allOf` of `if`/`then`), which the
+Prefect UI validates the form against through the server (`/ui/schemas/validate`) and the server checks
+again when it creates a flow run of the deployment, so the UI refuses such a form and no run starts; and
+as the model's validator, for calls of the flow that bypass the schema (a subflow, a direct call).
 
 Mode `rollback`: move `champion` back to the version the current champion replaced.
 
@@ -36,6 +39,7 @@ from tasks.caching import with_cache_dir
 from tasks.evaluation import evaluate_task
 from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import close_run, open_pipeline_run
+from tasks.preflight import check_services, tracking_services
 from tasks.promotion import (
     PromotionResult,
     decide_task,
@@ -47,12 +51,24 @@ from tasks.stages import StageContext
 from tasks.tracking import resolve_tracking_uri
 
 FLOW_TAG = "rlhf.flow"
+# The validator's rules as JSON Schema. `allOf` and not top-level `if`/`then`: Prefect's classic UI keeps
+# only some keywords of a parameter definition when it sends the schema to be validated (`allOf` among them).
+FORM_RULES: list[dict[str, object]] = [
+    {  # override needs a reason with something other than white space in it
+        "if": {"properties": {"override": {"const": True}}, "required": ["override"]},
+        "then": {"properties": {"reason": {"type": "string", "pattern": r"\S"}}, "required": ["reason"]},
+    },
+    {  # a rollback is not gated, so there is nothing to override
+        "if": {"properties": {"mode": {"const": "rollback"}}, "required": ["mode"]},
+        "then": {"properties": {"override": {"const": False}}},
+    },
+]
 
 
 class PromoteSettings(BaseModel):
     """What a promotion run is asked to do (the form of the Run dialog in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"allOf": FORM_RULES})
 
     mode: Literal["evaluate", "rollback"] = Field(
         "evaluate",
@@ -84,6 +100,7 @@ def rlhf_promote(settings: PromoteSettings = DEFAULT_SETTINGS) -> PromotionResul
     logger = get_run_logger()
     project_dir = Path.cwd()
     config = load_config(settings.params_file, settings.config, settings.overrides)
+    check_services(tracking_services(config.tracking.tracking_uri, project_dir))  # the registry's server
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri, project_dir)
     reason = settings.reason.strip() or None
     if settings.mode == "rollback":

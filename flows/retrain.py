@@ -8,6 +8,12 @@ policy in the registry under the alias `challenger`; unchanged data and settings
 cache hit and leave the registry as it was. It ends with the `rlhf-promote` flow (flows/promote.py):
 the challenger becomes the `champion` if it passes the promotion gate, and the result says why not
 otherwise.
+
+The deployment runs it on a weekly cron and on every `rlhf.data.pushed` event (`rlhf data add`,
+tasks/data_events.py), whose trigger passes the pushed version as `data_version`: the pulled data must
+then be that version, else the run stops before training, saying that this checkout's .dvc file pins
+another version (the new .dvc file is not committed and pulled here yet). The DVC remote is checked
+before the pull (tasks/preflight.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
 from flows.promote import PromoteSettings, rlhf_promote
 from tasks import dvc_data
+from tasks.preflight import check_services, dvc_remote_services
 from tasks.promotion import PromotionResult
 from tasks.remote import RemoteStages
 
@@ -34,6 +41,11 @@ class RetrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     data: str = Field("data/raw", description="The DVC-tracked raw data to pull and train on.")
+    data_version: str | None = Field(
+        None,
+        description="The data version (DVC md5) to train on, as the new-data event names it; "
+        "empty: the version the checkout's .dvc file pins.",
+    )
     config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
     params_file: str = Field("params.yaml", description="The base parameter file.")
@@ -66,6 +78,23 @@ def pull_data_task(target: str) -> str:
     return str(path)
 
 
+class DataVersionMismatchError(RuntimeError):
+    """The checkout pins another data version than the one the run was asked to train on."""
+
+
+def check_data_version(data: Path, expected: str | None) -> None:
+    """Fail when `expected` is given and the .dvc file of `data` pins another version."""
+    if not expected:
+        return
+    pinned = dvc_data.data_version(data)
+    if pinned != expected:
+        tracked = dvc_data.dvc_file(data)
+        raise DataVersionMismatchError(
+            f"asked to train on data version {expected}, but {tracked} in {Path.cwd()} pins {pinned}: commit "
+            f"the new {tracked.name} where `rlhf data add` ran and update this checkout (git pull), then rerun"
+        )
+
+
 def pipeline_settings(settings: RetrainSettings, data: str) -> PipelineSettings:
     """The pipeline run a retraining asks for: every stage, on the pulled `data`."""
     return PipelineSettings(
@@ -84,6 +113,9 @@ def pipeline_settings(settings: RetrainSettings, data: str) -> PipelineSettings:
 )
 def rlhf_retrain(settings: RetrainSettings = DEFAULT_SETTINGS) -> RetrainResult:
     """Pull the data, run every stage of `rlhf-pipeline` on it, then `rlhf-promote` (both as subflows)."""
+    target = Path(settings.data).resolve()
+    check_services(dvc_remote_services(target.parent))
+    check_data_version(target, settings.data_version)  # before the pull: a stale checkout fails at once
     data = pull_data_task(settings.data)
     pipeline = rlhf_pipeline(pipeline_settings(settings, data))
     promotion = rlhf_promote(

@@ -4,6 +4,9 @@
 already in `data/raw/`), copies it into `data/raw/`, runs `dvc add data/raw` and `dvc push`, and prints
 the new data version (the md5 DVC records in `data/raw.dvc`) with a report of every new row whose prompt
 is already an evaluation prompt. A rejected file leaves `data/raw/` and `data/raw.dvc` untouched.
+Before any work it checks that the DVC remote it pushes to and the Prefect API answer (tasks/preflight.py).
+Once pushed, it emits the Prefect event `rlhf.data.pushed` with the new version (tasks/data_events.py)
+when a Prefect API is configured: the `rlhf-retrain` deployment's trigger starts a retraining on it.
 Registered in rlhf_cli/main.py as `app.add_typer(data_app, name="data")`.
 
 Heavy modules (the tokenizer pulls in torch and transformers) are imported inside the command, so
@@ -20,7 +23,9 @@ import typer
 
 from rlhf_cli.options import resolve_config
 from rlhf_core.config import Config
+from tasks.data_events import DATA_PUSHED_EVENT, emit_data_pushed
 from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, workspace_matches
+from tasks.preflight import check_services, dvc_remote_services, prefect_api_services
 
 if TYPE_CHECKING:
     from rlhf_core.data.versioning import NewFileReport
@@ -44,6 +49,7 @@ class AddResult:
     version: str
     pushed: bool
     remote: str | None  # None: the default remote (core.remote in .dvc/config)
+    event_api: str | None = None  # the Prefect API the new-data event went to; None: none sent
 
     def summary(self) -> str:
         """The report, the new version, and what the user still has to do (commit the .dvc file)."""
@@ -53,10 +59,17 @@ class AddResult:
             where = "pushed to the default DVC remote"
         else:
             where = f"pushed to DVC remote {self.remote!r}"
+        if self.event_api is not None:
+            event = f"sent event {DATA_PUSHED_EVENT} to the Prefect API at {self.event_api} (rlhf-retrain reacts to it)"
+        elif self.pushed:
+            event = f"no Prefect API configured (PREFECT_API_URL): no {DATA_PUSHED_EVENT} event sent"
+        else:
+            event = f"no {DATA_PUSHED_EVENT} event: the version is not in a remote yet"
         tracked = dvc_file(self.path.parent)
         return (
             f"{self.report.summary()}\n"
             f"added {self.path}; data version {self.version}, {where}\n"
+            f"{event}\n"
             f"commit it: git add {tracked} {tracked.parent / '.gitignore'} && git commit"
         )
 
@@ -70,12 +83,15 @@ def add_preference_file(
     `dvc pull` would otherwise make a new version without the existing rows. Nothing is written when the
     file is rejected. If `dvc add` fails the copied file is removed again, so the raw data still matches
     its .dvc file; if only the push fails, the new version is complete locally and the error says how to
-    push it.
+    push it. With `push`, the DVC remote and the Prefect API are checked before anything else, and a
+    pushed version is announced by the `rlhf.data.pushed` event (when a Prefect API is configured).
     """
     from rlhf_core.data.versioning import check_new_file, merge_into_raw
     from rlhf_core.models.base import load_base_tokenizer
     from rlhf_core.stages.prepare_data import chat_token_lengths
 
+    if push:
+        check_services([*dvc_remote_services(nearest_existing(raw_dir), remote), *prefect_api_services()])
     tracked = dvc_file(raw_dir)
     if tracked.is_file() and not workspace_matches(raw_dir):
         raise RawDataMismatchError(
@@ -99,7 +115,14 @@ def add_preference_file(
                 f"data version {version} is in the local DVC cache but was not pushed; "
                 f"retry with `dvc push {remote_option}{tracked}`. {error}"
             ) from error
-    return AddResult(report=report, path=merged, version=version, pushed=push, remote=remote)
+    event_api = emit_data_pushed(raw_dir, version, remote) if push else None
+    return AddResult(report=report, path=merged, version=version, pushed=push, remote=remote, event_api=event_api)
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` or its nearest existing parent: where DVC can be asked about the repository `path` is in."""
+    path = Path(path).resolve()
+    return next(candidate for candidate in (path, *path.parents) if candidate.exists())
 
 
 @data_app.command("add")

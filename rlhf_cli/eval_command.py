@@ -6,6 +6,10 @@
 A model (`--a`, `--b`, `--rm-dir`) is a stage output or model directory, or an MLflow registry URI
 (`models:/name@alias`, `models:/name/3`) on the tracking store MLFLOW_TRACKING_URI (or
 tracking.tracking_uri) names, downloaded once into `artifacts/registry/` (tasks/evaluation.py).
+When a model is a `models:/` URI (model A's, else B's) and `--data-dir` or, for the reward-model judge,
+`--rm-dir` is not given, they come from that version's lineage tags (tasks/eval_lineage.py): the
+prepared data it was trained on and the judge reward model registered with it; the command prints
+which. Otherwise they default to `artifacts/data` and `artifacts/reward`.
 Whether a reward-model judge is in-sample is read from model A's record of the reward model PPO
 optimised against; `--rm-independent` vouches for a model A without such a record.
 
@@ -23,11 +27,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.options import ConfigOption, DataDirOption, OutOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config
 from rlhf_core.config import Config
 
 MODELS_URI_PREFIX = "models:/"
 REGISTRY_CACHE = Path("artifacts/registry")
+DEFAULT_DATA_DIR = Path("artifacts/data")
+DEFAULT_RM_DIR = "artifacts/reward"
 
 
 def local_model(reference: str, config: Config) -> Path:
@@ -40,6 +46,26 @@ def local_model(reference: str, config: Config) -> Path:
     return resolve_model_reference(reference, config, REGISTRY_CACHE)
 
 
+def eval_inputs(
+    models: tuple[str, str], data_dir: Path | None, rm_dir: str | None, judge: str, config: Config
+) -> tuple[Path, str | None]:
+    """The eval data and the reward-model judge: as given, else from the lineage of the first `models:/`
+    model (printing what was taken from it), else the `artifacts/` defaults."""
+    needs_judge = judge == "rm" and rm_dir is None
+    registered = next((model for model in models if model.startswith(MODELS_URI_PREFIX)), None)
+    if registered is not None and (data_dir is None or needs_judge):
+        from tasks.eval_lineage import eval_lineage
+
+        lineage = eval_lineage(registered, config, need_data=data_dir is None, need_judge=needs_judge)
+        for line in lineage.describe():
+            typer.echo(line)
+        data_dir = data_dir or lineage.data_dir
+        rm_dir = rm_dir or (lineage.judge.reference if lineage.judge is not None else None)
+    if judge == "rm" and rm_dir is None:
+        rm_dir = DEFAULT_RM_DIR
+    return data_dir or DEFAULT_DATA_DIR, rm_dir if judge == "rm" else None
+
+
 def eval_command(
     a: Annotated[str, typer.Option("--a", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")],
     b: Annotated[str, typer.Option("--b", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")],
@@ -47,8 +73,13 @@ def eval_command(
         Optional[str], typer.Option("--judge", help="rm | llm (default: evaluation.judge in params.yaml).")
     ] = None,
     rm_dir: Annotated[
-        str, typer.Option("--rm-dir", help="The reward model judging (a train-rm output directory or models:/ URI).")
-    ] = "artifacts/reward",
+        Optional[str],
+        typer.Option(
+            "--rm-dir",
+            help="The reward model judging (a train-rm output directory or models:/ URI; default: the judge "
+            "registered with a models:/ model A or B, else artifacts/reward).",
+        ),
+    ] = None,
     rm_independent: Annotated[
         bool,
         typer.Option(
@@ -61,7 +92,14 @@ def eval_command(
         Optional[list[Path]],
         typer.Option("--agree-with", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
     ] = None,
-    data_dir: DataDirOption = Path("artifacts/data"),
+    data_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--data-dir",
+            help="Prepared data (output of prepare-data; default: the data a models:/ model A or B was trained "
+            "on, else artifacts/data).",
+        ),
+    ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -76,14 +114,19 @@ def eval_command(
         raise typer.BadParameter(HUMAN_JUDGE_MESSAGE, param_hint="--judge")
     if chosen not in JUDGES:
         raise typer.BadParameter(f"{chosen!r} is not a judge; choose rm or llm", param_hint="--judge")
+    if any(model.startswith(MODELS_URI_PREFIX) for model in (a, b, rm_dir or "")):
+        from tasks.preflight import check_services, tracking_services  # the registry's server must answer
+
+        check_services(tracking_services(resolved.tracking.tracking_uri, Path.cwd()))
+    data, judge_rm = eval_inputs((a, b), data_dir, rm_dir, chosen, resolved)
     result = run_evaluate(
         resolved,
-        data_dir,
+        data,
         local_model(a, resolved),
         local_model(b, resolved),
         out if out is not None else Path("artifacts/eval"),
         judge=chosen,
-        rm_dir=local_model(rm_dir, resolved) if chosen == "rm" else None,
+        rm_dir=local_model(judge_rm, resolved) if judge_rm is not None else None,
         rm_in_sample=False if rm_independent else None,
         other_verdicts=agree_with or [],
         names=(a, b),

@@ -5,6 +5,10 @@ embedded defaults: with PREFECT_API_URL unset Prefect starts a temporary server 
 MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_TRACKING_URI (or
 tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
 printing where the results are: run directory, data version, MLflow run, evaluation, registered versions.
+Before any work both commands check the services they will use (tasks/preflight.py) and stop within
+seconds, in one line, when one does not answer. The temporary server runs with Prefect's telemetry off,
+and other libraries' warnings and notices go to `runs/logs/rlhf-run-*.log` (rlhf_cli/library_logs.py),
+so a run that works prints its progress, a line per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
@@ -16,12 +20,14 @@ Flows (and with them Prefect, MLflow and torch) are imported inside the commands
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.options import ConfigOption, ParamsOption, SetOption
+from rlhf_cli.library_logs import library_logs_to, run_log_path
+from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
 
 DataOption = Annotated[
     Optional[str],
@@ -35,6 +41,15 @@ StageOption = Annotated[
         help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, evaluate, register.",
     ),
 ]
+# For the temporary Prefect server `rlhf run` starts when no PREFECT_API_URL is set (it inherits this
+# process's environment, and Prefect reads these when first imported, inside the command):
+# - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
+#   database ("database is locked", with a traceback): off;
+# - it gets 20 s to start by default, which a busy 2-core machine overran: 120 s.
+TEMPORARY_SERVER_SETTINGS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
 LimitOption = Annotated[
     Optional[int], typer.Option("--limit", help="Most flow runs this process runs at once (default: no cap).")
 ]
@@ -49,22 +64,34 @@ def run(
     stage: StageOption = None,
 ) -> None:
     """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""
-    from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+    for name, value in TEMPORARY_SERVER_SETTINGS.items():  # unless the user set them
+        os.environ.setdefault(name, value)
+    from tasks.preflight import check_services, prefect_api_services, tracking_services
 
-    settings = PipelineSettings(
-        config=[str(path) for path in config or []],
-        overrides=list(set_ or []),
-        data=data,
-        stages=[Stage(name) for name in stage] if stage else list(Stage),
-        params_file=str(params),
-        runs_dir=str(runs_dir),
-    )
-    result = rlhf_pipeline(settings)
+    resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
+    check_services([*prefect_api_services(), *tracking_services(resolved.tracking.tracking_uri, Path.cwd())])
+    with library_logs_to(run_log_path(runs_dir)) as log_path:
+        # Imported inside: importing the flows already makes libraries warn.
+        from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+
+        settings = PipelineSettings(
+            config=[str(path) for path in config or []],
+            overrides=list(set_ or []),
+            data=data,
+            stages=[Stage(name) for name in stage] if stage else list(Stage),
+            params_file=str(params),
+            runs_dir=str(runs_dir),
+        )
+        result = rlhf_pipeline(settings)
     typer.echo(result.summary())
+    if log_path.exists():
+        typer.echo(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}")
 
 
 def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
     from flows.deployments import serve_deployments
+    from tasks.preflight import check_services, prefect_api_services, tracking_services
 
+    check_services([*prefect_api_services(), *tracking_services(None, Path.cwd())])
     serve_deployments(limit=limit)

@@ -1,7 +1,8 @@
-"""What a stage shows in the Prefect UI: a markdown summary, a table of sample generations, live progress.
+"""What a stage shows in the Prefect UI: a markdown summary, tables (sample generations, the reward model's
+validation pairs), live progress.
 
-Artifact keys are `<stage>-summary`, `<stage>-samples` and `<stage>-progress`, so the UI's Artifacts
-page keeps the history of each across runs. Progress comes from the `progress` metric (in [0, 1]) that
+Artifact keys are `<stage>-summary`, `<stage>-samples` (`<stage>-validation-pairs`) and
+`<stage>-progress`, so the UI's Artifacts page keeps the history of each across runs. Progress comes from the `progress` metric (in [0, 1]) that
 every training stage logs: `ProgressArtifactLogger` wraps the stage's metrics logger (the MLflow one)
 and moves the progress bar as that metric arrives.
 """
@@ -9,6 +10,7 @@ and moves the progress bar as that metric arrives.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +88,12 @@ def publish_summary(output: StageOutput, mlflow_link: str) -> None:
 def read_samples(path: Path, max_rows: int = MAX_SAMPLE_ROWS) -> list[dict[str, str]]:
     """The newest `max_rows` rows of a samples.jsonl, every value a string cut to MAX_CELL_CHARS."""
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [{key: _cell(value) for key, value in json.loads(line).items()} for line in lines[-max_rows:]]
+    return table_rows([json.loads(line) for line in lines[-max_rows:]])
+
+
+def table_rows(rows: Sequence[Mapping[str, Any]], max_rows: int = MAX_SAMPLE_ROWS) -> list[dict[str, str]]:
+    """The first `max_rows` rows, every value a string cut to MAX_CELL_CHARS (what a table artifact shows)."""
+    return [{key: _cell(value) for key, value in row.items()} for row in rows[:max_rows]]
 
 
 def _cell(value: Any) -> str:
@@ -94,7 +101,7 @@ def _cell(value: Any) -> str:
     return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 3] + "..."
 
 
-def publish_samples(stage: str, rows: list[dict[str, str]]) -> None:
-    """The `<stage>-samples` table artifact (nothing when there are no rows)."""
+def publish_table(key: str, rows: Sequence[Mapping[str, Any]], description: str) -> None:
+    """The table artifact `key` of `table_rows(rows)` (nothing when there are no rows)."""
     if rows:
-        create_table_artifact(table=rows, key=f"{stage}-samples", description=f"Sample generations of {stage}")
+        create_table_artifact(table=table_rows(rows), key=key, description=description)

@@ -2,7 +2,8 @@
 
 A stage's cache key is the sha256 of
 - the stage name and the installed version of this project (new code invalidates old results),
-- `config.seed` and `Config.section_hash` of each config section the stage reads,
+- `config.seed` and the hash of each config section the stage reads (`keyed_section_hash`: without
+  `data.source`, which says where the raw data is; its content enters as the data version),
 - the content hash of each upstream input: the data version (`DataSource`) and the `sha256` of each
   upstream `StageOutput`.
 Run ids, run directories and MLflow runs never enter it, so two pipeline runs with the same inputs
@@ -40,6 +41,8 @@ KEYS_SUBDIR = "keys"
 RESULTS_SUBDIR = "results"
 
 TaskT = TypeVar("TaskT", bound=Task)
+# Config fields that say where an input is, not what it is: the input's content hash is keyed instead.
+LOCATION_FIELDS: dict[str, set[str]] = {"data": {"source"}}
 
 logger = get_logger(__name__)
 
@@ -83,10 +86,20 @@ def stage_cache_key(stage: str, config: Config, config_sections: tuple[str, ...]
         "stage": stage,
         "code_version": project_version(),
         "seed": config.seed,
-        "sections": {name: config.section_hash(name) for name in config_sections},
+        "sections": {name: keyed_section_hash(config, name) for name in config_sections},
         "inputs": input_hashes,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def keyed_section_hash(config: Config, name: str) -> str:
+    """`Config.section_hash` of section `name`, leaving out its LOCATION_FIELDS: the same data read from
+    another path (`--data`, data.source) is the same input."""
+    excluded = LOCATION_FIELDS.get(name)
+    if not excluded:
+        return config.section_hash(name)
+    payload = json.dumps(getattr(config, name).model_dump(mode="json", exclude=excluded), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def project_version() -> str:

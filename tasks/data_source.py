@@ -54,3 +54,10 @@ def resolve_data_source(source: str, config: Config) -> DataSource:
         return DataSource(uri=str(path), version=dvc_data.data_version(path), kind="dvc")
     version = file_sha256(path) if path.is_file() else directory_sha256(path)
     return DataSource(uri=str(path), version=version, kind="file")
+
+
+def with_data_source(config: Config, source: DataSource) -> Config:
+    """`config` with `data.source` set to the data a run reads (`--data`, the form's data), so that the run's
+    params name what it trained on. Stage cache keys leave `data.source` out (tasks/caching.py): the
+    data's version is keyed instead, so the same data at another path is still a cache hit."""
+    return config.model_copy(update={"data": config.data.model_copy(update={"source": source.uri})})

@@ -8,7 +8,8 @@
   win minus loss with their intervals, the reward-model judge's mean score difference A - B with its
   interval, lengths, alignment tax), the per-pair table (`pairs.json`, via
   `log_table`), the Figure-10 chart (`plots/win_rate.png`), report.md and report.json; the report is
-  also a Prefect markdown artifact (`evaluate-report`).
+  also a Prefect markdown artifact (`evaluate-report`), and the first pairs a table artifact
+  (`evaluate-samples`: prompt, both replies, the verdict).
 - `JudgeSpec`: which judge, and what pins it for the cache key: the reward model's content hash, or
   the LLM judge's model name. Whether a reward-model judge is in-sample is decided by `run_evaluate`
   from model A's record of the reward model PPO optimised against.
@@ -52,6 +53,7 @@ from rlhf_core.stages.evaluate import (
     run_evaluate,
 )
 from rlhf_core.stages.ppo import REWARD_RECORD_FILE
+from tasks.artifacts import publish_table
 from tasks.caching import StageCachePolicy
 from tasks.concurrency import training_slot
 from tasks.outputs import StageOutput, directory_sha256
@@ -140,7 +142,8 @@ def evaluate_task(
 ) -> StageOutput:
     """Model A against model B on the eval split of `data` (rlhf_core.stages.evaluate); `names` label
     them in the report (they do not enter the cache key)."""
-    with training_slot(), tracked_stage("evaluate", config, context) as run:
+    inputs = {"data": data, "model_a": model_a, "model_b": model_b, "judge": judge.reward}
+    with training_slot(), tracked_stage("evaluate", config, context, inputs) as run:
         run_evaluate(
             config,
             data.out_dir,
@@ -154,6 +157,7 @@ def evaluate_task(
         )
         output = run.finish(model_dir=None)
         log_evaluation(run.client, run.run_id, output.out_dir)
+    publish_table("evaluate-samples", pair_rows(output.out_dir), "Sample generations of evaluate: both replies, verdict")
     create_markdown_artifact(
         markdown=(output.out_dir / REPORT_MD).read_text(encoding="utf-8"),
         key="evaluate-report",
@@ -303,15 +307,22 @@ def download_version(
             training_data = training_data_from_tags(version.tags)
             if training_data is not None:
                 write_training_data(temporary, training_data)
-    return StageOutput(stage=REGISTRY_STAGE, out_dir=target, sha256=directory_sha256(target), model_dir=target)
+    return StageOutput(
+        stage=REGISTRY_STAGE,
+        out_dir=target,
+        sha256=directory_sha256(target),
+        model_dir=target,
+        uri=f"{MODELS_URI_PREFIX}{version.name}/{version.version}",
+    )
 
 
 def copy_model_files(download: Path, target: Path) -> None:
     """Copy a downloaded MLflow model's Hugging Face files flat into `target`.
 
-    The policy (transformers flavour) keeps its weights and config in `model/` and its tokenizer in
-    `components/tokenizer/`; the reward model (a pyfunc, tasks/reward_scorer.py) keeps its whole
-    directory as the one artifact in `artifacts/`.
+    The policy and the reward model (pyfuncs, tasks/chat_policy.py and tasks/reward_scorer.py) keep their
+    whole directory as the one artifact in `artifacts/`; a policy registered by earlier versions of this
+    pipeline (transformers flavour) keeps its weights and config in `model/` and its tokenizer in
+    `components/tokenizer/`.
     """
     if (download / "model" / "config.json").is_file():
         sources = [download / "model", download / "components" / "tokenizer"]

@@ -106,11 +106,14 @@ def close_run(client: MlflowClient, run_id: str, error: BaseException | None = N
 
 
 @contextmanager
-def stage_run(target: TrackingTarget, stage: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[str]:
-    """A nested run for one attempt of `stage`, closed FINISHED or FAILED (re-raising) on exit."""
+def stage_run(
+    target: TrackingTarget, stage: str, params: dict[str, Any], tags: dict[str, str], run_name: str | None = None
+) -> Iterator[str]:
+    """A nested run for one attempt of `stage` (named `run_name`, default the stage), closed FINISHED or
+    FAILED (re-raising) on exit."""
     client = target.client()
     run_tags = {PARENT_RUN_TAG: target.parent_run_id, ROLE_TAG: STAGE_ROLE, STAGE_TAG: stage, **tags}
-    run_id = client.create_run(target.experiment_id, run_name=stage, tags=run_tags).info.run_id
+    run_id = client.create_run(target.experiment_id, run_name=run_name or stage, tags=run_tags).info.run_id
     MlflowLogger(run_id, client).log_params(params)
     try:
         yield run_id

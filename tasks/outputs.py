@@ -34,6 +34,7 @@ class StageOutput(BaseModel):
     metrics: dict[str, float] = {}
     model_dir: Path | None = None
     mlflow_run_id: str | None = None
+    uri: str | None = None  # a model downloaded from the registry: the `models:/name/version` it came from
 
     @property
     def content_hash(self) -> str:

@@ -17,13 +17,15 @@ For a remote stage `remote_stage_task`
    stage's MLflow run and the parent run with the URI it came from.
 
 The task is cached like the local stage task and under the same key (it takes over that task's cache
-policy): a stage's output depends on its inputs and settings, not on where it ran.
+policy): a stage's output depends on its inputs and settings, not on where it ran. Its steps
+(`upload_inputs`, `run_remotely`) also run an ablation's variants remotely (tasks/ablation.py).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from botocore.client import BaseClient
 from prefect import Task, get_run_logger, task
 from prefect.deployments import run_deployment
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -116,36 +118,48 @@ def remote_stage_task(
     assert remote.store is not None  # RemoteStages validation
     run_prefix = join_uri(remote.store, context.run_dir.name)
     upstream = {"data": data, "sft_output": sft_output, "reward_output": reward_output}
-    inputs = {
+    request = StageRequest(
+        stage=stage,
+        config=config,
+        inputs=upload_inputs(upstream, run_prefix, client),
+        destination=join_uri(run_prefix, OUTPUT_DIRS[stage]),
+        tracking=context.tracking,
+    )
+    stored, flow_run_id = run_remotely(request, remote.deployment, f"{stage}-{context.run_dir.name}", client)
+    output = download_output(stored, context.run_dir / OUTPUT_DIRS[stage], client)
+    record_remote_origin(context.tracking, stage, stored, flow_run_id)
+    logger.info("downloaded %s from %s into %s", stage, stored.uri, output.out_dir)
+    return output
+
+
+def upload_inputs(upstream: dict[str, StageOutput | None], run_prefix: str, client: BaseClient) -> dict[str, str]:
+    """Each upstream output under `run_prefix/<its stage directory>/` (unless already there): name -> URI."""
+    return {
         name: ensure_uploaded(output, join_uri(run_prefix, OUTPUT_DIRS[output.stage]), client).uri
         for name, output in upstream.items()
         if output is not None
     }
-    request = StageRequest(
-        stage=stage,
-        config=config,
-        inputs=inputs,
-        destination=join_uri(run_prefix, OUTPUT_DIRS[stage]),
-        tracking=context.tracking,
+
+
+def run_remotely(request: StageRequest, deployment: str, flow_run_name: str, client: BaseClient) -> tuple[StoredOutput, str]:
+    """Start `deployment` with `request` and wait: (the stored output, the flow run's id); a flow run
+    that does not complete raises RemoteStageError with its state message (the remote error)."""
+    get_run_logger().info(
+        "running %s on %s; inputs %s, output to %s", request.stage, deployment, request.inputs, request.destination
     )
-    logger.info("running %s on %s; inputs %s, output to %s", stage, remote.deployment, inputs, request.destination)
     flow_run = run_deployment(
-        remote.deployment,
+        deployment,
         parameters={"request": request.model_dump(mode="json")},
-        flow_run_name=f"{stage}-{context.run_dir.name}",
+        flow_run_name=flow_run_name,
         poll_interval=POLL_SECONDS,
     )
     if flow_run.state is None or not flow_run.state.is_completed():
         state = flow_run.state.name if flow_run.state else "unknown"
         message = flow_run.state.message if flow_run.state else ""
         raise RemoteStageError(
-            f"stage {stage}: flow run {flow_run.name!r} ({flow_run.id}) of {remote.deployment} ended {state}: {message}"
+            f"stage {request.stage}: flow run {flow_run.name!r} ({flow_run.id}) of {deployment} ended {state}: {message}"
         )
-    stored = read_stored(request.destination, client)
-    output = download_output(stored, context.run_dir / OUTPUT_DIRS[stage], client)
-    record_remote_origin(context.tracking, stage, stored, str(flow_run.id))
-    logger.info("downloaded %s from %s into %s", stage, stored.uri, output.out_dir)
-    return output
+    return read_stored(request.destination, client), str(flow_run.id)
 
 
 def record_remote_origin(tracking: TrackingTarget, stage: str, stored: StoredOutput, flow_run_id: str) -> None:

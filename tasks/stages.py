@@ -8,8 +8,10 @@ Every stage task:
   resumes from its newest checkpoint;
 - runs inside a nested MLflow run of the pipeline's parent run, with the config sections it reads as
   params, its stepped metrics logged through MlflowLogger, and its report files as artifacts;
-- publishes a markdown summary (and a table of sample generations when it wrote samples.jsonl) as
-  Prefect artifacts, and training stages a progress artifact fed by their `progress` metric;
+- publishes a markdown summary and its tables as Prefect artifacts (and the tables as MLflow tables):
+  sample generations (PPO's samples.jsonl, the SFT model's replies to held-out prompts) and the reward
+  model's validation pairs with both scores (validation_pairs.jsonl); training stages also a progress
+  artifact fed by their `progress` metric;
 - trains (SFT, reward model, PPO) only while holding this machine's training slot (tasks/concurrency.py).
 
 `register_task` is not cached: the registry itself is its record (tasks/registry.py reuses a version
@@ -20,7 +22,7 @@ with the same content), and it is cheap next to training. The evaluate stage's t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +38,23 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from rlhf_core.distributed.launcher import launch_stage
+from rlhf_core.evaluation.outputs import read_jsonl
+from rlhf_core.evaluation.samples import sample_generations
+from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
 from rlhf_core.stages.result import METRICS_FILE
 from rlhf_core.training.logger import MetricsLogger
-from tasks.artifacts import ProgressArtifactLogger, publish_samples, publish_summary, read_samples
+from tasks.artifacts import (
+    PROGRESS_METRIC,
+    ProgressArtifactLogger,
+    publish_summary,
+    publish_table,
+    read_samples,
+)
 from tasks.caching import StageCachePolicy, stage_cache_key
 from tasks.concurrency import training_slot
 from tasks.data_source import DataSource
+from tasks.lineage import stage_lineage_tags
 from tasks.mlflow_runs import TrackingTarget, run_url, stage_run
 from tasks.outputs import StageOutput, output_sha256
 from tasks.resume import claim_out_dir, release_claim
@@ -65,6 +77,12 @@ REPORT_FILES = ("data_report.json", METRICS_FILE, "selection.json")
 PLOTS_DIR = "plots"
 SAMPLES_FILE = "samples.jsonl"
 FINAL_METRIC_PREFIX = "final."
+SFT_SAMPLE_PROMPTS = 8  # held-out prompts the SFT model answers for its sample table
+# Tables a stage may leave in its output: file -> (Prefect artifact `<stage>-<name>`, MLflow table, description).
+TABLE_FILES = {
+    SAMPLES_FILE: ("samples", "samples.json", "Sample generations"),
+    VALIDATION_PAIRS_FILE: ("validation-pairs", "validation_pairs.json", "Validation pairs with both reward scores"),
+}
 
 # Each stage's directory inside the run directory (the layout of `artifacts/` and dvc.yaml).
 OUTPUT_DIRS = {
@@ -105,6 +123,11 @@ class StageContext(BaseModel):
     run_dir: Path
     cache_dir: Path
     tracking: TrackingTarget
+    data_tags: dict[str, str] = {}  # the raw data version of the pipeline run, tagged on every stage run
+
+
+# What a stage reads: the raw data, or an upstream output (None: an optional input not given).
+StageInput = DataSource | StageOutput | None
 
 
 @dataclass
@@ -134,31 +157,51 @@ class StageRun:
         log_output_files(self.client, self.run_id, output)
         link = run_url(self.tracking.tracking_uri, self.tracking.experiment_id, self.run_id) or self.run_id
         publish_summary(output, link)
-        samples = self.out_dir / SAMPLES_FILE
-        if samples.is_file():
-            publish_samples(self.stage, read_samples(samples))
+        for file_name, (name, _, description) in TABLE_FILES.items():
+            path = self.out_dir / file_name
+            if path.is_file():
+                publish_table(f"{self.stage}-{name}", read_samples(path), f"{description} of {self.stage}")
         return output
+
+    def publish_rows(self, name: str, rows: list[dict[str, object]], description: str) -> None:
+        """`rows` as the Prefect table artifact `<stage>-<name>` and the MLflow table `<name>.json` of this run."""
+        publish_table(f"{self.stage}-{name}", rows, description)
+        if rows:
+            self.client.log_table(self.run_id, data=pd.DataFrame(rows), artifact_file=f"{name}.json")
 
 
 @contextmanager
-def tracked_stage(stage: str, config: Config, context: StageContext) -> Iterator[StageRun]:
-    """Open the nested MLflow run of this attempt of `stage` (closed FINISHED or FAILED on exit)."""
-    with stage_run(context.tracking, stage, stage_params(stage, config), attempt_tags()) as run_id:
+def tracked_stage(
+    stage: str, config: Config, context: StageContext, inputs: Mapping[str, StageInput] | None = None
+) -> Iterator[StageRun]:
+    """Open the nested MLflow run of this attempt of `stage` (closed FINISHED or FAILED on exit), tagged
+    with the lineage of `inputs` (tasks/lineage.py)."""
+    tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {})}
+    with stage_run(context.tracking, stage, stage_params(stage, config), tags) as run_id:
         yield StageRun(stage, context.run_dir / OUTPUT_DIRS[stage], run_id, context.tracking.client(), context.tracking)
 
 
 @contextmanager
 def tracked_training_stage(
-    stage: str, config: Config, context: StageContext, input_hashes: dict[str, str]
+    stage: str,
+    config: Config,
+    context: StageContext,
+    input_hashes: dict[str, str],
+    run_name: str | None = None,
+    tags: dict[str, str] | None = None,
+    inputs: Mapping[str, StageInput] | None = None,
 ) -> Iterator[StageRun]:
     """`tracked_stage` for a training stage, holding the training slot, in the directory it may resume.
 
     The output directory is claimed under the stage's cache key (tasks/resume.py), so that an attempt
     whose process was killed is resumed from its newest checkpoint by the next run with the same inputs,
-    not only by a Prefect retry of the same flow run.
+    not only by a Prefect retry of the same flow run. `run_name` and `tags` name the MLflow run
+    (an ablation's variant, tasks/ablation.py); `inputs` (whose hashes `input_hashes` are) tag it with
+    their lineage.
     """
     key = stage_cache_key(stage, config, STAGE_SECTIONS[stage], input_hashes)
-    with training_slot(), stage_run(context.tracking, stage, stage_params(stage, config), attempt_tags()) as run_id:
+    run_tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {}), **(tags or {})}
+    with training_slot(), stage_run(context.tracking, stage, stage_params(stage, config), run_tags, run_name) as run_id:
         out_dir = claim_out_dir(context.cache_dir, key, context.run_dir / OUTPUT_DIRS[stage])
         yield StageRun(stage, out_dir, run_id, context.tracking.client(), context.tracking)
         release_claim(context.cache_dir, key)
@@ -168,6 +211,18 @@ def stage_params(stage: str, config: Config) -> dict[str, Any]:
     """The MLflow params of a stage run: the seed and the config sections the stage reads."""
     params: dict[str, Any] = {"seed": config.seed}
     return params | {name: getattr(config, name).model_dump(mode="json") for name in STAGE_SECTIONS[stage]}
+
+
+def stage_lineage(
+    stage: str, config: Config, context: StageContext, inputs: Mapping[str, StageInput]
+) -> dict[str, str]:
+    """The lineage tags of a stage run: code, the config sections it reads, the run's data, its inputs."""
+    return stage_lineage_tags(config, STAGE_SECTIONS.get(stage, ()), inputs, context.data_tags)
+
+
+def content_hashes(inputs: Mapping[str, StageInput]) -> dict[str, str]:
+    """The content hash of each given input: what enters a stage's cache key."""
+    return {name: item.content_hash for name, item in inputs.items() if item is not None}
 
 
 def attempt_tags() -> dict[str, str]:
@@ -220,7 +275,7 @@ def run_launched(
 
 
 def log_output_files(client: MlflowClient, run_id: str, output: StageOutput) -> None:
-    """Report files, plots and the sample table of a finished stage; metrics.json as `final.*` metrics.
+    """Report files, plots and the tables of a finished stage; metrics.json as `final.*` metrics.
 
     The `final.` prefix keeps the end-of-stage figures apart from the stepped metrics of the same name.
     """
@@ -229,11 +284,10 @@ def log_output_files(client: MlflowClient, run_id: str, output: StageOutput) -> 
             client.log_artifact(run_id, str(output.out_dir / name))
     if (output.out_dir / PLOTS_DIR).is_dir():
         client.log_artifacts(run_id, str(output.out_dir / PLOTS_DIR), artifact_path=PLOTS_DIR)
-    samples = output.out_dir / SAMPLES_FILE
-    if samples.is_file():
-        rows = read_samples(samples)
+    for file_name, (_, table_file, _) in TABLE_FILES.items():
+        rows = read_jsonl(output.out_dir / file_name) if (output.out_dir / file_name).is_file() else []
         if rows:
-            client.log_table(run_id, data=pd.DataFrame(rows), artifact_file="samples.json")
+            client.log_table(run_id, data=pd.DataFrame(rows), artifact_file=table_file)
     MlflowLogger(run_id, client).log_metrics(
         {f"{FINAL_METRIC_PREFIX}{name}": value for name, value in output.metrics.items()}, step=0
     )
@@ -248,8 +302,10 @@ def log_output_files(client: MlflowClient, run_id: str, output: StageOutput) -> 
 )
 def prepare_data_task(config: Config, source: DataSource, context: StageContext) -> StageOutput:
     """Validate, split and write the preference data (rlhf_core.stages.prepare_data)."""
-    with tracked_stage("prepare-data", config, context) as run:
+    with tracked_stage("prepare-data", config, context, {"source": source}) as run:
+        progress = run.progress_logger()  # the `prepare-data-progress` artifact: 0 % until the data is written
         prepare_data.run_prepare_data(config, run.out_dir, source=source.uri)
+        progress.log_metrics({PROGRESS_METRIC: 1.0}, step=1)
         return run.finish(model_dir=None)
 
 
@@ -260,11 +316,18 @@ def prepare_data_task(config: Config, source: DataSource, context: StageContext)
 )
 def sft_task(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
     """Supervised fine-tuning on the chosen replies (rlhf_core.stages.sft)."""
-    with tracked_training_stage("sft", config, context, {"data": data.content_hash}) as run:
+    inputs = {"data": data}
+    with tracked_training_stage("sft", config, context, content_hashes(inputs), inputs=inputs) as run:
         if config.distributed.world_size > 1:
-            return run.finish(run_launched("sft", config, run, data_dir=data.out_dir))
-        result = sft.run_sft(config, data.out_dir, run.out_dir, logger=run.progress_logger())
-        return run.finish(result.model_dir)
+            output = run.finish(run_launched("sft", config, run, data_dir=data.out_dir))
+        else:
+            output = run.finish(sft.run_sft(config, data.out_dir, run.out_dir, logger=run.progress_logger()).model_dir)
+        assert output.model_dir is not None  # a training stage's output
+        samples = sample_generations(
+            output.model_dir, data.out_dir, config.evaluation.generation, config.seed, SFT_SAMPLE_PROMPTS
+        )
+        run.publish_rows("samples", samples, "Replies of the SFT model to held-out prompts")
+        return output
 
 
 @task(
@@ -276,8 +339,8 @@ def sft_task(config: Config, data: StageOutput, context: StageContext) -> StageO
 )
 def reward_task(config: Config, data: StageOutput, sft_output: StageOutput, context: StageContext) -> StageOutput:
     """Reward-model training (rlhf_core.stages.reward)."""
-    inputs = {"data": data.content_hash, "sft_output": sft_output.content_hash}
-    with tracked_training_stage("reward", config, context, inputs) as run:
+    inputs = {"data": data, "sft_output": sft_output}
+    with tracked_training_stage("reward", config, context, content_hashes(inputs), inputs=inputs) as run:
         if config.distributed.world_size > 1:
             launched = run_launched("reward", config, run, data_dir=data.out_dir, sft_dir=sft_output.out_dir)
             return run.finish(launched)
@@ -300,7 +363,8 @@ def judge_reward_task(config: Config, data: StageOutput, context: StageContext) 
     Its MLflow params are the settings it trains with: the `reward` section with `init_from: base`.
     """
     settings = judge_reward.judge_config(config)
-    with tracked_training_stage("judge-reward", settings, context, {"data": data.content_hash}) as run:
+    inputs = {"data": data}
+    with tracked_training_stage("judge-reward", settings, context, content_hashes(inputs), inputs=inputs) as run:
         result = judge_reward.run_judge_rm(settings, data.out_dir, run.out_dir, logger=run.progress_logger())
         return run.finish(result.model_dir)
 
@@ -322,24 +386,28 @@ def ppo_task(
     context: StageContext,
 ) -> StageOutput:
     """PPO-max (rlhf_core.stages.ppo)."""
-    inputs = {
-        "data": data.content_hash,
-        "sft_output": sft_output.content_hash,
-        "reward_output": reward_output.content_hash,
-    }
-    with tracked_training_stage("ppo", config, context, inputs) as run:
-        if config.distributed.world_size > 1:
-            dirs = {"sft_dir": sft_output.out_dir, "rm_dir": reward_output.out_dir}
-            return run.finish(run_launched("ppo", config, run, data_dir=data.out_dir, **dirs))
-        result = ppo.run_ppo(
-            config,
-            data.out_dir,
-            sft_output.out_dir,
-            reward_output.out_dir,
-            run.out_dir,
-            logger=run.progress_logger(),
-        )
-        return run.finish(result.model_dir)
+    inputs = {"data": data, "sft_output": sft_output, "reward_output": reward_output}
+    with tracked_training_stage("ppo", config, context, content_hashes(inputs), inputs=inputs) as run:
+        return train_ppo(config, data, sft_output, reward_output, run)
+
+
+def train_ppo(
+    config: Config, data: StageOutput, sft_output: StageOutput, reward_output: StageOutput, run: StageRun
+) -> StageOutput:
+    """PPO-max into `run.out_dir`, in this process or on `config.distributed`'s ranks: the body of the
+    pipeline's PPO stage, and of each variant of an ablation (tasks/ablation.py)."""
+    if config.distributed.world_size > 1:
+        dirs = {"sft_dir": sft_output.out_dir, "rm_dir": reward_output.out_dir}
+        return run.finish(run_launched("ppo", config, run, data_dir=data.out_dir, **dirs))
+    result = ppo.run_ppo(
+        config,
+        data.out_dir,
+        sft_output.out_dir,
+        reward_output.out_dir,
+        run.out_dir,
+        logger=run.progress_logger(),
+    )
+    return run.finish(result.model_dir)
 
 
 @task(
@@ -367,7 +435,9 @@ def register_task(
     """
     tracking = context.tracking
     params = {"tracking": config.tracking.model_dump(mode="json")}
-    with stage_run(tracking, "register", params, {"prefect.task_run_id": str(task_run.get_id())}) as run_id:
+    inputs = {"reward_output": reward_output, "ppo_output": ppo_output, "judge_output": judge_output}
+    run_tags = {"prefect.task_run_id": str(task_run.get_id())} | stage_lineage("register", config, context, inputs)
+    with stage_run(tracking, "register", params, run_tags) as run_id:
         client = tracking.client()
         tags = {**lineage, PIPELINE_RUN_TAG: tracking.parent_run_id}
         reward_version = register(

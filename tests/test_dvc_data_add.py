@@ -2,14 +2,18 @@
 
 Each test works in a fresh git + DVC repository under tmp_path that carries the project's own DVC setup
 (.dvc/config, .dvcignore), params.yaml and the tiny overlay; the S3 remote is configured with the commands
-data/README.md documents. The data version is checked against DVC's directory hash written out in plain
+data/README.md documents. The fresh-clone test adds the pipeline (dvc.yaml and the code its first stage
+depends on) and runs data/README.md's fresh-clone commands as written in a `git clone` of it. The data version is checked against DVC's directory hash written out in plain
 code: the md5 of the sorted JSON list of {"md5", "relpath"} of the files.
 """
 
 import hashlib
 import json
+import os
+import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,12 @@ pytestmark = pytest.mark.slow
 
 PROJECT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
+PIPELINE_FILES = ("dvc.yaml", "overlays.yaml")
+PIPELINE_DIRS = ("rlhf_core", "configs")  # what dvc.yaml's prepare_data stage depends on
+DOCS = ("README.md", "data/README.md", "infra/README.md")
+# data/README.md's fresh-clone commands, which the fresh-clone test runs exactly as they are written there.
+PULL_RAW_DATA = "dvc pull data/raw.dvc"
+REPRODUCE_PREPARED_DATA = "dvc repro prepare_data"
 BUCKET = "dvc-data"
 SPLIT_SALT = "rlhf-v1"  # params.yaml, data.split_salt
 EVAL_FRACTION = 0.1  # params.yaml, data.eval_fraction
@@ -43,13 +53,16 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
 
 
-def make_project_repo(root: Path) -> Path:
-    """A committed git repository holding the project's DVC setup, params.yaml and the tiny overlay."""
+def make_project_repo(root: Path, with_pipeline: bool = False) -> Path:
+    """A committed git repository holding the project's DVC setup, params.yaml and the tiny overlay (and, with
+    `with_pipeline`, dvc.yaml and the code and configs its prepare_data stage depends on)."""
     root.mkdir()
     git(root, "init", "-q")
-    for name in PROJECT_FILES:
+    for name in PROJECT_FILES + (PIPELINE_FILES if with_pipeline else ()):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(PROJECT / name, root / name)
+    for name in PIPELINE_DIRS if with_pipeline else ():
+        shutil.copytree(PROJECT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "project")
     return root
@@ -274,3 +287,81 @@ def test_a_failed_push_keeps_the_new_local_version_and_says_how_to_retry(
     )
     assert version == dvc_directory_md5(repo / "data/raw")
     assert workspace_matches(repo / "data/raw")
+
+
+def documented_commands(path: Path) -> list[str]:
+    """The command lines of the ```bash blocks of a markdown file, without their trailing comments."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.DOTALL)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def run_as_written(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A documented `dvc ...` command line, run by the DVC installed with this interpreter."""
+    args = command.split()
+    assert args[0] == "dvc", command
+    return subprocess.run(["python3", "-m", "dvc", *args[1:]], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def test_every_documented_dvc_pull_names_its_target() -> None:
+    """A bare `dvc pull` fails in a fresh clone (no dvc.lock: the stage outputs have no hashes); no doc tells
+    anyone to run it (data/README.md says why not: "a plain `dvc pull` ...")."""
+    for doc in DOCS:
+        text = (PROJECT / doc).read_text(encoding="utf-8")
+        for mention in re.finditer(r"(plain `)?dvc pull[^`\n]*", text):
+            targeted = re.search(r"dvc pull( -r \S+)? (data/raw\.dvc|prepare_data)", mention.group(0))
+            assert targeted or mention.group(1), f"{doc}: {mention.group(0)!r}"
+    assert {PULL_RAW_DATA, REPRODUCE_PREPARED_DATA} <= set(documented_commands(PROJECT / "data/README.md"))
+
+
+def test_a_fresh_clone_gets_the_data_with_the_documented_commands(
+    tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = make_project_repo(tmp_path / "repo", with_pipeline=True)
+    s3_server.create_bucket(BUCKET)
+    run_dvc(["remote", "add", "-d", "s3", f"s3://{BUCKET}/fresh-clone"], repo)  # data/README.md, "Remotes"
+    run_dvc(["remote", "modify", "s3", "endpointurl", s3_server.endpoint_url], repo)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    # `dvc repro` runs the stage's `rlhf` command: the console script installed beside this interpreter.
+    monkeypatch.setenv("PATH", os.pathsep.join([sysconfig.get_path("scripts"), os.environ["PATH"]]))
+    raw = repo / "data/raw"
+    versions = []
+    for name, prompts in (("first.jsonl", PROMPTS[:40]), ("second.jsonl", PROMPTS[40:])):
+        raw.mkdir(parents=True, exist_ok=True)
+        write_pairs(raw / name, [(prompt, "A helpful and careful answer.") for prompt in prompts])
+        versions.append(dvc_add(raw))
+        dvc_push(raw)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", f"data: {name}")
+    first_commit = git(repo, "rev-parse", "HEAD~1").strip()
+
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    bare = run_as_written("dvc pull", clone)
+    assert bare.returncode == 1 and "artifacts/data" in bare.stderr  # why the docs name the target
+
+    for command in (PULL_RAW_DATA, REPRODUCE_PREPARED_DATA):
+        completed = run_as_written(command, clone)
+        assert completed.returncode == 0, f"{command}: {completed.stderr}"
+    assert data_version(clone / "data/raw") == versions[1] == dvc_directory_md5(clone / "data/raw")
+    report = json.loads((clone / "artifacts/data/data_report.json").read_text())
+    assert report["rows_read"] == len(PROMPTS)
+    assert (clone / "artifacts/data/sft.parquet").is_file() and (clone / "dvc.lock").is_file()
+
+    # Once a dvc.lock is committed and its outputs pushed, `dvc pull prepare_data` brings them back too.
+    assert run_as_written("dvc push", clone).returncode == 0
+    git(clone, "add", "dvc.lock")
+    git(clone, "commit", "-q", "-m", "prepared data")
+    second_clone = tmp_path / "second-clone"
+    git(tmp_path, "clone", "-q", str(clone), str(second_clone))
+    for command in (PULL_RAW_DATA, "dvc pull prepare_data"):
+        completed = run_as_written(command, second_clone)
+        assert completed.returncode == 0, f"{command}: {completed.stderr}"
+    prepared = second_clone / "artifacts/data/sft.parquet"
+    assert prepared.read_bytes() == (clone / "artifacts/data/sft.parquet").read_bytes()
+
+    # `git checkout <commit> && dvc pull data/raw.dvc` brings back the data of that commit.
+    git(clone, "checkout", "-q", first_commit)
+    assert run_as_written(PULL_RAW_DATA, clone).returncode == 0
+    assert data_version(clone / "data/raw") == versions[0] == dvc_directory_md5(clone / "data/raw")
+    assert workspace_matches(clone / "data/raw")

@@ -18,6 +18,7 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.reward.training_data import training_data_record, write_training_data
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
 
@@ -152,3 +153,103 @@ def test_an_unfinished_model_is_refused(rlhf, inputs, tmp_path: Path) -> None:
     )
     assert status == 1
     assert "unfinished stage output" in stderr
+
+
+@pytest.fixture(scope="module")
+def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An embedded MLflow registry as `rlhf run` leaves it: reward model, independent judge, and two policy
+    versions (`champion`, then `challenger`) whose tags name the prepared data, their reward model and the judge.
+
+    Returns (tracking URI, the judge's directory). Imported here: MLflow costs seconds to import.
+    """
+    from mlflow import MlflowClient
+
+    from tasks.outputs import StageOutput, output_sha256
+    from tasks.registry import (
+        CHALLENGER_ALIAS,
+        REWARD_VERSION_TAG,
+        judge_version_tags,
+        lineage_output_tags,
+        register,
+        training_data_tags,
+    )
+    from tasks.tracking import get_or_create_experiment, local_artifact_location
+
+    def output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
+        model_dir = out_dir / "model" if with_model else None
+        return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
+
+    root = tmp_path_factory.mktemp("eval-registry")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(get_or_create_experiment(client, "eval", local_artifact_location(uri, root))).info.run_id
+    judge_dir = root / "judge_reward"
+    tokenizer = load_tiny_model()[1]
+    RewardModel.from_causal_lm(build_tiny_model(tokenizer, seed=5), end_of_turn_id(tokenizer)).save_pretrained(
+        judge_dir / "model", tokenizer
+    )
+    write_metrics(judge_dir, {"steps": 0.0})
+    write_training_data(judge_dir, training_data_record(inputs["data"], "ppo_pairs", "base"))
+    reward = register(client, uri, run_id, "eval-reward", output("reward", inputs["reward"]), {}, None)
+    judge_output = output("judge-reward", judge_dir)
+    judge = register(client, uri, run_id, "eval-reward-judge", judge_output, training_data_tags(judge_output), None)
+    tags = {
+        **lineage_output_tags({"prepare-data": output("prepare-data", inputs["data"], with_model=False)}),
+        REWARD_VERSION_TAG: reward.version,
+        **judge_version_tags(judge),
+    }
+    register(client, uri, run_id, "eval-policy", output("ppo", inputs["sft"]), tags, "champion")
+    register(client, uri, run_id, "eval-policy", output("ppo", inputs["ppo"]), tags, CHALLENGER_ALIAS)
+    register(client, uri, run_id, "eval-policy-unjudged", output("ppo", inputs["ppo"]), {}, CHALLENGER_ALIAS)
+    return uri, judge_dir
+
+
+@pytest.mark.slow
+def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_says_so(
+    rlhf, inputs, registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `rlhf run` there is no artifacts/: the README's `rlhf eval --a models:/...@challenger --b
+    models:/...@champion` finds the eval data and the judge in the challenger's tags."""
+    uri, judge_dir = registry
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # nothing under artifacts/ here
+    common = ("--params", str(ROOT / "params.yaml"), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
+              "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4")
+
+    status, stdout, stderr = rlhf(
+        "eval", "--a", "models:/eval-policy@challenger", "--b", "models:/eval-policy@champion", *common,
+        "--out", str(tmp_path / "eval"),
+    )
+
+    assert status == 0, stderr
+    assert (
+        f"eval data: {inputs['data']} (the prepared data of eval-policy version 2, from models:/eval-policy@challenger)"
+        in stdout.splitlines()
+    )
+    assert (
+        "judge: independent judge reward model registered with the challenger (models:/eval-reward-judge/1) "
+        "(from the lineage of eval-policy version 2)" in stdout.splitlines()
+    )
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["judge"]["kind"] == "rm" and report["judge"]["in_sample"] is False
+    assert "PPO-prompt split" in report["judge"]["description"]  # the registered judge's training_data tags
+    verdicts = [json.loads(line) for line in (tmp_path / "eval" / "verdicts.jsonl").read_text().splitlines()]
+    assert len(verdicts) == 6  # the eval split of the lineage's prepared data
+
+    # Given paths win over the lineage, and nothing is printed about it.
+    status, stdout, stderr = rlhf(
+        "eval", "--a", "models:/eval-policy@challenger", "--b", str(inputs["sft"]), "--rm-dir", str(judge_dir),
+        "--data-dir", str(inputs["data"]), *common, "--out", str(tmp_path / "given"),
+    )
+    assert status == 0, stderr
+    assert "eval data:" not in stdout and "judge:" not in stdout.replace("**Judge:**", "")
+
+    # A version without a registered judge: one line naming the ways to give one, before any work.
+    status, _, stderr = rlhf(
+        "eval", "--a", "models:/eval-policy-unjudged@challenger", "--b", "models:/eval-policy@champion", *common,
+        "--data-dir", str(inputs["data"]), "--out", str(tmp_path / "unjudged"),
+    )
+    assert status == 1 and len(stderr.strip().splitlines()) == 1
+    assert "names no independent judge reward model" in stderr and "--rm-dir" in stderr
+    assert "evaluation.judge_rm=in_sample" in stderr
+    assert not (tmp_path / "unjudged").exists()

@@ -1,15 +1,21 @@
 """`rlhf run`: the command's options reach the pipeline and it ends by saying where the results are.
 
-Only data preparation runs here (`--stage prepare-data`), against the test Prefect server and an embedded
-MLflow store; the training stages through the same flow are covered by test_orchestration_flow.py and
-test_orchestration_pipeline.py.
+Only data preparation runs in the first test (`--stage prepare-data`), against the test Prefect server and an
+embedded MLflow store; the training stages through the same flow are covered by test_orchestration_flow.py and
+test_orchestration_pipeline.py. The last test runs the whole tiny pipeline as a new user does, in a fresh
+process with nothing configured (Prefect's temporary server, a SQLite MLflow store), and reads its terminal.
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import typer
+from fixtures.pairs import write_topic_pairs
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
@@ -18,6 +24,8 @@ from rlhf_cli import run_commands
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
+FRESH_RUN_TIMEOUT_S = 900  # a guard for a hung run, not a measurement
+SHORTER = ["-s", "sft.max_steps=2", "-s", "reward.max_steps=2", "-s", "ppo.steps=1", "-s", "evaluation.max_prompts=4"]
 
 
 def cli() -> typer.Typer:
@@ -69,6 +77,29 @@ def test_run_prints_run_directory_data_version_and_mlflow_run(
 
 def test_run_rejects_an_unknown_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli(), ["run", "--stage", "deploy"])
+    result = CliRunner().invoke(cli(), ["run", "--params", str(REPO / "params.yaml"), "--stage", "deploy"])
     assert result.exit_code != 0
     assert "'deploy' is not a valid Stage" in str(result.exception)
+
+
+def test_a_successful_first_run_prints_no_traceback_no_error_and_one_summary(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    data = write_topic_pairs(project / "pairs.jsonl", 160)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "run", "--data", str(data)]
+    command += ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml"), *SHORTER]
+
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=FRESH_RUN_TIMEOUT_S)
+
+    terminal = result.stdout + result.stderr
+    assert result.returncode == 0, terminal[-4000:]
+    assert "Traceback" not in terminal
+    assert [line for line in terminal.splitlines() if re.search(r"\bERROR\b", line)] == []
+    assert terminal.count("run directory: ") == 1 and terminal.count("registered: rlhf-policy version 1") == 1
+    assert "Setting accelerator to CPU" not in terminal and "Successfully registered model" not in terminal
+    (log_line,) = [line for line in result.stdout.splitlines() if line.startswith("other libraries' messages")]
+    log = project / log_line.rsplit(": ", 1)[1]
+    assert log.parent == project / "runs" / "logs"
+    assert "INFO mlflow: Successfully registered model 'rlhf-policy'." in log.read_text(encoding="utf-8")

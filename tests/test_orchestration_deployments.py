@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.events import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 
 from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
@@ -27,6 +28,7 @@ def test_prefect_yaml_declares_exactly_the_served_deployments(declared: dict[str
         "rlhf-retrain",
         "rlhf-promote",
         "rlhf-human-eval",
+        "rlhf-ablation",
         "rlhf-stage",
     }
 
@@ -41,6 +43,10 @@ def test_declared_deployment_matches_the_code(spec: DeploymentSpec, declared: di
     assert entry.get("concurrency_limit") == spec.concurrency_limit
     schedules = [(item["cron"], item["timezone"]) for item in entry.get("schedules", [])]
     assert schedules == ([(spec.cron, spec.timezone)] if spec.cron else [])
+    triggers = [DeploymentEventTrigger.model_validate(item) for item in entry.get("triggers", [])]
+    assert [trigger.model_dump(exclude={"id"}) for trigger in triggers] == [
+        trigger.model_dump(exclude={"id"}) for trigger in spec.triggers
+    ]
     assert entry["work_pool"]["name"] == spec.work_pool
     assert spec.work_pool == ("rlhf-gpu" if spec.name == "rlhf-stage" else "rlhf-cpu")
 
@@ -62,7 +68,26 @@ def test_served_deployment_carries_the_spec(spec: DeploymentSpec) -> None:
     assert deployment.entrypoint == f"{spec.flow.fn.__module__}.{spec.flow.fn.__name__}"
     crons = [(schedule.schedule.cron, schedule.schedule.timezone) for schedule in deployment.schedules or []]
     assert crons == ([(spec.cron, spec.timezone)] if spec.cron else [])
+    assert [trigger.model_dump(exclude={"id"}) for trigger in deployment.triggers] == [
+        trigger.model_dump(exclude={"id"}) for trigger in spec.triggers
+    ]
     # The default parameters must be valid input for the flow's form. The stage flow has no defaults:
     # the pipeline sends each run its request (tests/test_gpu_pool.py).
     if spec.name != "rlhf-stage":
         spec.flow.validate_parameters(spec.parameters)
+
+
+def test_retrain_runs_on_each_new_data_event_and_keeps_its_weekly_cron() -> None:
+    from flows.deployments import RETRAIN_CRON
+    from tasks.data_events import DATA_PUSHED_EVENT
+
+    retrain = next(spec for spec in DEPLOYMENTS if spec.name == "rlhf-retrain")
+    assert retrain.cron == RETRAIN_CRON
+    (trigger,) = retrain.triggers
+    assert trigger.expect == {DATA_PUSHED_EVENT} and trigger.enabled
+    assert trigger.parameters == {
+        "settings": {"data": "{{ event.payload.path }}", "data_version": "{{ event.payload.version }}"}
+    }
+    # What the server renders the templates into is valid input for the flow's form.
+    rendered = {"settings": {"data": "data/raw", "data_version": "0123456789abcdef0123456789abcdef.dir"}}
+    assert retrain.flow.validate_parameters(rendered)["settings"].data_version == rendered["settings"]["data_version"]

@@ -1,8 +1,9 @@
 """The `rlhf-pipeline` flow run in this process against a real Prefect server (fixture `prefect_api`) and
 an embedded SQLite MLflow store: a failing stage fails the flow and its MLflow run, and is not retried
 when retrying cannot help; a crashed training stage is retried and resumes from its checkpoint; a
-deleted stage output is recomputed while unchanged stages stay cached; the training concurrency limit
-lets one training stage hold the machine at a time."""
+deleted stage output is recomputed while unchanged stages stay cached; the parent run's params name the
+data the run trained on and every stage run carries the lineage of its own inputs; the training
+concurrency limit lets one training stage hold the machine at a time."""
 
 import shutil
 from pathlib import Path
@@ -10,16 +11,21 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
+from prefect.logging.handlers import APILogWorker
 
 from fixtures.pairs import write_topic_pairs
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.stages import sft as sft_stage
+from rlhf_core.config import load_config
 from tasks import stages
+from tasks.caching import keyed_section_hash
 from tasks.concurrency import ensure_training_limit, training_slot
+from tasks.lineage import DATA_SOURCE_TAG, DATA_VERSION_TAG, GIT_COMMIT_TAG, git_state
 from tasks.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
+from tasks.outputs import file_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +57,14 @@ def task_runs_by_name(flow_run_id) -> dict[str, list]:
     for run in runs:  # task run names are "<task name>-<3 hex>"
         grouped.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
     return grouped
+
+
+def flow_run_messages(flow_run_id) -> set[str]:
+    """The messages the flow run logged to the Prefect API (sent first: the log worker batches them)."""
+    APILogWorker.drain_all(timeout=10)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return {log.message for log in logs}
 
 
 def stage_runs(client: MlflowClient, stage: str) -> list:
@@ -151,6 +165,46 @@ def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(project: 
     }
     recomputed = third.result().outputs["sft"]
     assert recomputed.out_dir.parent == third.result().run_dir and recomputed.is_intact()
+
+
+def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_inputs(
+    project: MlflowClient, tmp_path: Path
+) -> None:
+    data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
+    state = rlhf_pipeline(settings(data, [Stage.SFT]), return_state=True)
+    result = state.result()
+    assert flow_run_messages(state.state_details.flow_run_id) >= {"stage 1/2: prepare-data", "stage 2/2: sft"}
+
+    parent = project.get_run(result.mlflow_run_id)
+    assert parent.data.params["data.source"] == str(data)  # not params.yaml's Anthropic/hh-rlhf
+    assert parent.data.tags[DATA_SOURCE_TAG] == str(data)
+    prepare, sft = (project.get_run(result.outputs[stage].mlflow_run_id) for stage in ("prepare-data", "sft"))
+    assert prepare.data.params["data.source"] == str(data)
+    commit, _ = git_state(REPO)
+    config = load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+    for run in (prepare, sft):
+        assert run.data.tags[GIT_COMMIT_TAG] == commit
+        assert run.data.tags[DATA_VERSION_TAG] == file_sha256(data) == result.data.version
+        assert run.data.tags["config.model.sha256"] == keyed_section_hash(config, "model")
+    assert prepare.data.tags[DATA_SOURCE_TAG] == str(data)
+    assert prepare.data.tags["config.data.sha256"] == keyed_section_hash(config, "data")
+    assert "config.sft.sha256" not in prepare.data.tags  # only the sections a stage reads
+    assert sft.data.tags["config.sft.sha256"] == keyed_section_hash(config, "sft")
+    prepared = result.outputs["prepare-data"]
+    assert sft.data.tags["input.data.path"] == str(prepared.out_dir)
+    assert sft.data.tags["input.data.sha256"] == prepared.sha256
+    assert sft.data.tags["input.data.run_id"] == prepare.info.run_id
+
+    # The same bytes at another path are the same data: every stage is a cache hit, the params say where.
+    moved = tmp_path / "elsewhere" / "pairs.jsonl"
+    moved.parent.mkdir()
+    shutil.copyfile(data, moved)
+    again = rlhf_pipeline(settings(moved, [Stage.SFT]), return_state=True)
+    assert {name: run.state.name for name, (run,) in task_runs_by_name(again.state_details.flow_run_id).items()} == {
+        "prepare-data": "Cached",
+        "sft": "Cached",
+    }
+    assert project.get_run(again.result().mlflow_run_id).data.params["data.source"] == str(moved)
 
 
 def test_training_slot_admits_one_training_stage_at_a_time(prefect_api: str) -> None:

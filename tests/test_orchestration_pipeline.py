@@ -183,11 +183,20 @@ def test_mlflow_holds_a_parent_run_with_lineage_and_nested_stage_runs(scenario: 
     assert tags[GIT_COMMIT_TAG] == commit
     assert len(tags[DEPENDENCIES_TAG]) == 64 and len(tags[CONFIG_TAG]) == 64 and len(tags[DATA_VERSION_TAG]) == 64
     assert parent.data.params["ppo.clip_eps"] == "0.2" and parent.data.params["model.kind"] == "tiny"
+    assert parent.data.params["data.source"] == scenario.runs["A"].flow_run.parameters["settings"]["data"]
 
     children = child_runs(client, parent)
     assert set(children) == set(STAGES)
     assert {child.info.status for child in children.values()} == {"FINISHED"}
     assert children["sft"].data.params["sft.max_steps"] == "4"
+    for stage, child in children.items():  # each stage run names the code and data it came from
+        assert child.data.tags[GIT_COMMIT_TAG] == commit, stage
+        assert child.data.tags[DATA_VERSION_TAG] == tags[DATA_VERSION_TAG], stage
+    ppo_tags = children["ppo"].data.tags
+    assert ppo_tags["input.reward_output.run_id"] == children["reward"].info.run_id
+    assert ppo_tags["input.sft_output.run_id"] == children["sft"].info.run_id
+    assert {"config.ppo.sha256", "config.model.sha256", "config.distributed.sha256"} <= set(ppo_tags)
+    assert children["evaluate"].data.tags["input.judge.run_id"] == children["judge-reward"].info.run_id
     ppo_history = client.get_metric_history(children["ppo"].info.run_id, "progress")
     assert max(metric.step for metric in ppo_history) > 1  # stepped, not one final value
 
@@ -196,6 +205,8 @@ def test_mlflow_holds_a_parent_run_with_lineage_and_nested_stage_runs(scenario: 
 
     assert "data_report.json" in artifact_paths("prepare-data")
     assert "plots/reward_margin_hist.png" in artifact_paths("reward", "plots")
+    assert "validation_pairs.json" in artifact_paths("reward")
+    assert "plots/sft_curves.png" in artifact_paths("sft", "plots") and "samples.json" in artifact_paths("sft")
     assert "samples.json" in artifact_paths("ppo") and artifact_paths("ppo", "plots")
 
 
@@ -226,8 +237,8 @@ def test_policy_challenger_is_registered_with_lineage_and_answers_chat(scenario:
 
     mlflow.set_tracking_uri(scenario.tracking_uri)
     chat = mlflow.pyfunc.load_model(f"models:/rlhf-policy@{CHALLENGER_ALIAS}")
-    reply = chat.predict({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6})[0]
-    assert reply["object"] == "chat.completion"
+    reply = chat.predict({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6})
+    assert reply["object"] == "chat.completion" and reply["model"] == "rlhf-policy/2"
     assert isinstance(reply["choices"][0]["message"]["content"], str)
     assert "<|im_end|>" not in reply["choices"][0]["message"]["content"]
     assert 1 <= reply["usage"]["completion_tokens"] <= 6
@@ -241,5 +252,14 @@ def test_prefect_artifacts_summarise_each_stage(scenario: Scenario) -> None:
     assert "rlhf-policy" in artifacts["register-summary"]
     samples = artifacts["ppo-samples"]
     assert "response" in (samples if isinstance(samples, str) else str(samples))
-    for stage in ("sft", "reward", "ppo"):
+    assert "reference" in str(artifacts["sft-samples"]) and "response" in str(artifacts["sft-samples"])
+    assert "reply_a" in str(artifacts["evaluate-samples"]) and "verdict" in str(artifacts["evaluate-samples"])
+    for stage in ("reward", "judge-reward"):
+        assert "score_rejected" in str(artifacts[f"{stage}-validation-pairs"])
+    for stage in ("prepare-data", "sft", "reward", "ppo"):
         assert float(artifacts[f"{stage}-progress"]) == 100.0
+
+
+def test_the_run_summary_is_an_artifact_of_the_flow_run(scenario: Scenario) -> None:
+    summary = scenario.runs["A"].artifacts["pipeline-summary"]  # not a log line: `rlhf run` prints it once
+    assert "run directory: " in summary and "registered: rlhf-policy version " in summary

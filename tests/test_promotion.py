@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import one_thread, save_rm_output, write_stage_inputs  # noqa: F401  (one_thread: autouse)
+from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
@@ -51,7 +51,7 @@ from tasks.registry import (
 )
 from tasks.tracking import get_or_create_experiment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "promotion-policy"
@@ -225,6 +225,11 @@ def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_wit
     evaluation = scenario.client.get_run(tags["promotion.evaluation_run_id"])
     assert evaluation.data.metrics["final.tie_rate"] == 1.0  # the same weights: every pair a tie
     assert evaluation.data.metrics["final.score_diff_mean"] == 0.0  # identical replies, identical scores
+    # The evaluation run names its inputs: registry models by their models:/ URI, the baseline by its path.
+    assert evaluation.data.tags["input.model_a.uri"] == f"models:/{POLICY}/1"
+    assert evaluation.data.tags["input.judge.uri"] == f"models:/{JUDGE}/1"
+    assert evaluation.data.tags["input.model_b.path"] == str(scenario.sft_dir)
+    assert "config.evaluation.sha256" in evaluation.data.tags and "git.commit" in evaluation.data.tags
     report = scenario.artifacts["A"]["promotion-decision"]
     assert (
         "# Promotion of `promotion-policy`: promoted" in report

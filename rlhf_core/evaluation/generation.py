@@ -6,11 +6,13 @@ the model's own chat template (`chat.encode_prompt`, whole: the eval split is le
 padded and sampled in batches by the same KV-cached `generate` call PPO's rollouts use, which stops
 each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
 both models of a comparison are sampled with the same seed and the caller's random state is untouched.
+Given a `desc`, a progress bar counts the prompts answered (rlhf_core/progress.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.data.records import Message
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.ppo.rollout import generate_responses, left_pad, stop_token_ids
+from rlhf_core.progress import progress
 
 
 @dataclass(frozen=True)
@@ -40,14 +43,17 @@ def generate_replies(
     settings: GenerationConfig,
     batch_size: int,
     seed: int,
+    desc: str | None = None,
 ) -> list[Reply]:
-    """One sampled reply per prompt, in the order of `prompts` (see the module docstring)."""
+    """One sampled reply per prompt, in the order of `prompts` (see the module docstring); with `desc`, a
+    progress bar of that label over the prompts."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = next(model.parameters()).device
     stop_ids = stop_token_ids(tokenizer)
     replies: list[Reply] = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    bar = progress(len(prompts), desc, "prompt") if desc is not None else nullcontext()
+    with bar as answered, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
             encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[start : start + batch_size]]
@@ -61,4 +67,6 @@ def generate_replies(
                     reply_ids = reply_ids[:-1]  # the end-of-turn token
                 text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
                 replies.append(Reply(text=text, tokens=len(reply_ids), finished=bool(done)))
+            if answered is not None:
+                answered.advance(len(encoded))
     return replies

@@ -8,7 +8,7 @@ only at the chosen reply's target tokens (rlhf_core.sft.loss).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,9 +88,13 @@ def pair_outputs(
 
 @torch.no_grad()
 def score_pair_batches(
-    model: RewardModel, batches: Iterable[PairBatch], cache: FrozenLowerCache | None, with_lm_loss: bool
+    model: RewardModel,
+    batches: Iterable[PairBatch],
+    cache: FrozenLowerCache | None,
+    with_lm_loss: bool,
+    on_scored: Callable[[int], None] | None = None,
 ) -> PairScores:
-    """Score every pair of `batches` (in order) without gradients."""
+    """Score every pair of `batches` (in order) without gradients; `on_scored(pairs)` after each batch."""
     device = next(model.parameters()).device
     chosen, rejected = [], []
     nll_sum, tokens = 0.0, 0
@@ -102,6 +106,8 @@ def score_pair_batches(
         if outputs.lm_nll_sum is not None:
             nll_sum += outputs.lm_nll_sum.item()
             tokens += count_target_tokens(batch.chosen.labels)
+        if on_scored is not None:
+            on_scored(len(batch.indices))
     return PairScores(
         chosen=torch.cat(chosen).numpy().astype(np.float64),
         rejected=torch.cat(rejected).numpy().astype(np.float64),

@@ -8,9 +8,9 @@ the reply tokens of each whole optimizer step. The schedule is linear warmup, th
 `sft.skip: true` hands the base model on untrained (SmolLM2-Instruct already is a chat model): model/
 is the base model and metrics.json records `skipped: 1`.
 
-Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, checkpoints/ (a rerun with the same
-settings and data resumes from the newest; `run_inputs.json` there records them), metrics.json (written
-last).
+Outputs in `out_dir`: model/ (Hugging Face format), history.jsonl, plots/sft_curves.png (training loss
+and held-out perplexity over the steps; not with `skip`), checkpoints/ (a rerun with the same settings and
+data resumes from the newest; `run_inputs.json` there records them), metrics.json (written last).
 
 Under the deepspeed launcher (`distributed.num_processes > 1`) every rank runs this function; each
 trains its shard of every step (`sft.micro_batch_size * grad_accum_steps` sequences per rank), and only
@@ -42,6 +42,7 @@ from rlhf_core.sft.batch import (
     evaluation_chunks,
 )
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout_reply_nll, perplexity
+from rlhf_core.sft.plots import CURVES_FILE, plot_sft_curves, read_history
 from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import (
     CHECKPOINTS_DIR,
@@ -241,6 +242,9 @@ def _train(
     with gathered_parameters(model):
         if context.is_main:
             _save_model(model, tokenizer, out_dir)
+    if context.is_main:
+        before = run_state.values.get("perplexity_before")
+        plot_sft_curves(read_history(out_dir / HISTORY_FILE), before, out_dir / CURVES_FILE)
     return {
         "skipped": 0.0,
         "steps": float(result.final_step),

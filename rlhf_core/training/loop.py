@@ -50,6 +50,7 @@ from rlhf_core.distributed.context import RankContext, init_process_group, rank_
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.training.batching import BatchPlan
+from rlhf_core.progress import bars_enabled
 from rlhf_core.training.checkpoint import TrainingState, checkpoint_step, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop_config import LoopConfig
@@ -312,7 +313,7 @@ def train(
         logger.truncate_after(resumed_from)
     logger.log_params({"loop": config.model_dump(mode="json"), "total_steps": total})
     update.model.train()
-    show_progress = config.progress_bar and context.is_main
+    show_progress = config.progress_bar and context.is_main and bars_enabled()  # a terminal, not RLHF_QUIET
     with tqdm(total=total, initial=resumed_from, disable=not show_progress, desc="train") as progress:
         for step in range(resumed_from + 1, total + 1):
             rank_indices = shard(plan.step(step - 1), context)

@@ -45,6 +45,7 @@ from rlhf_core.evaluation.judges.llm_prompt import (
     reask_messages,
 )
 from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement, Verdict
+from rlhf_core.progress import progress
 
 LOGGER = logging.getLogger(__name__)
 
@@ -236,8 +237,12 @@ class LlmJudge:
         return OrderResult(outcome=outcome, from_cache=False, http_retries=http_retries)
 
     def _judge_all_orders(self, pairs: Sequence[EvalPair]) -> list[tuple[OrderResult, OrderResult]]:
-        """Both orders of every pair through the thread pool; the first failure cancels what has not started."""
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+        """Both orders of every pair through the thread pool; the first failure cancels what has not started.
+        A progress bar counts the verdicts in (rlhf_core/progress.py)."""
+        with (
+            concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency) as pool,
+            progress(2 * len(pairs), "llm judge", "verdict") as answered,
+        ):
             futures = [
                 (
                     pool.submit(self._judge_order, pair.prompt, pair.reply_a, pair.reply_b),
@@ -246,6 +251,8 @@ class LlmJudge:
                 for pair in pairs
             ]
             flat = [future for both in futures for future in both]
+            for future in flat:
+                future.add_done_callback(lambda _: answered.advance())
             done, _ = concurrent.futures.wait(flat, return_when=concurrent.futures.FIRST_EXCEPTION)
             errors = [future.exception() for future in flat if future in done and future.exception()]
             if errors:

@@ -28,6 +28,7 @@ from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_d
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.progress import progress
 from rlhf_core.reward.training_data import RewardTrainingData, read_training_data
 from rlhf_core.sft.batch import collate_sequences
 
@@ -48,16 +49,19 @@ def score_replies(
     conversations: Sequence[tuple[Sequence[Message], str]],
     batch_size: int,
 ) -> np.ndarray:
-    """r(x, y) [N] of each (prompt, reply), `batch_size` conversations per forward pass."""
+    """r(x, y) [N] of each (prompt, reply), `batch_size` conversations per forward pass (a progress bar
+    counts the replies scored)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = next(reward_model.parameters()).device
     encoded = [encode_conversation(tokenizer, prompt, reply) for prompt, reply in conversations]
     scores = []
-    for start in range(0, len(encoded), batch_size):
-        batch = collate_sequences(encoded[start : start + batch_size], tokenizer.pad_token_id).to(device)
-        output = reward_model(batch.input_ids, batch.attention_mask, reply_start=batch.reply_start)
-        scores.append(output.scores.float().cpu())
+    with progress(len(encoded), "rm judge", "reply") as scored:
+        for start in range(0, len(encoded), batch_size):
+            batch = collate_sequences(encoded[start : start + batch_size], tokenizer.pad_token_id).to(device)
+            output = reward_model(batch.input_ids, batch.attention_mask, reply_start=batch.reply_start)
+            scores.append(output.scores.float().cpu())
+            scored.advance(len(batch.input_ids))
     return torch.cat(scores).numpy().astype(np.float64) if scores else np.zeros(0)
 
 
