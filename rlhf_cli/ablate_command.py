@@ -1,0 +1,76 @@
+"""`rlhf ablate` (registered in rlhf_cli/main.py): the `rlhf-ablation` flow, here and now.
+
+    rlhf ablate --grid configs/ablations/paper.yaml --base runs/20261201-101500-1a2b3c4d
+
+`--base` names a pipeline run (its directory, its MLflow run id, or a registered policy's `models:/`
+URI); `--data/--sft/--reward/--judge` name single inputs instead. `--config`/`-s` shape the base
+configuration every variant starts from (scale, steps, learning rates); each variant then sets its
+preset and `ppo.*` overrides (docs/ablation.md). Every variant is validated before Prefect starts: a
+bad key exits with status 2 naming the variant and the key. Like `rlhf run`, the flow runs in this
+process (a temporary Prefect server when PREFECT_API_URL is unset) and tracks to MLflow; the command
+ends by printing where the comparison is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlhf_cli.options import ConfigOption, ParamsOption, SetOption
+
+GridOption = Annotated[Path, typer.Option("--grid", help="The grid file: named variants (configs/ablations/*.yaml).")]
+BaseOption = Annotated[
+    Optional[str],
+    typer.Option("--base", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
+]
+VariantOption = Annotated[
+    Optional[list[str]], typer.Option("--variant", help="Run only this variant of the grid (repeatable).")
+]
+InputOption = Annotated[Optional[str], typer.Option(help="This input instead of the base's (a stage output directory).")]
+JudgeOption = Annotated[
+    Optional[str], typer.Option("--judge", help="Judge reward model instead of the base's (directory or models:/ URI).")
+]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where the ablation's directory and the stage cache go.")]
+RemoteStoreOption = Annotated[
+    Optional[str],
+    typer.Option("--remote-store", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
+]
+
+
+def ablate(
+    grid: GridOption,
+    base: BaseOption = None,
+    variant: VariantOption = None,
+    data: InputOption = None,
+    sft: InputOption = None,
+    reward: InputOption = None,
+    judge: JudgeOption = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
+    runs_dir: RunsDirOption = Path("runs"),
+    remote_store: RemoteStoreOption = None,
+) -> None:
+    """Run PPO once per variant of a grid on one base, evaluate each against SFT, and compare them."""
+    from flows.ablation import AblationSettings, rlhf_ablation
+    from tasks.remote import RemoteStages
+
+    settings = AblationSettings(
+        grid=str(grid),
+        only=list(variant or []),
+        base=base,
+        data=data,
+        sft=sft,
+        reward=reward,
+        judge=judge,
+        config=[str(path) for path in config or []],
+        overrides=list(set_ or []),
+        params_file=str(params),
+        runs_dir=str(runs_dir),
+        remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
+    )
+    plan = settings.plan()  # every variant validated before Prefect starts
+    typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
+    typer.echo(rlhf_ablation(settings).summary())

@@ -1,0 +1,81 @@
+"""`rlhf ablate` killed outright while a variant trains, then run again: that variant resumes from its checkpoint.
+
+A SIGKILL ends the flow run itself; the rerun is a new flow run with a new ablation directory. It must
+find the killed variant's unfinished PPO output through the variant's claim (tasks/resume.py, keyed like
+its cache), continue it from the newest checkpoint without repeating an iteration (the PPO stage checks
+checkpoints/run_inputs.json first), and then evaluate and compare it. The killed process held this
+machine's training slot, which the Prefect server takes back when its lease runs out (set to its
+60-second minimum here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.kill_resume import kill_at_first_checkpoint
+from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
+
+from rlhf_core.training.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+PPO_STEPS = 12
+CHECKPOINT_EVERY = 2
+START_DEADLINE_S = 600
+RUN_DEADLINE_S = 900
+
+
+def ablate_command(base: Path, runs_dir: Path) -> list[str]:
+    """`rlhf ablate` of the tiny grid's vanilla variant, with a PPO run long enough to be killed in the middle."""
+    return [
+        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        "ablate",
+        "--grid", str(REPO / "configs" / "ablations" / "tiny.yaml"),
+        "--variant", "vanilla",
+        "--base", str(base),
+        "--params", str(REPO / "params.yaml"),
+        "--config", str(REPO / "configs" / "tiny.yaml"),
+        "-s", f"ppo.steps={PPO_STEPS}",
+        "-s", f"ppo.checkpoint_every={CHECKPOINT_EVERY}",
+        "--runs-dir", str(runs_dir),
+    ]  # fmt: skip
+
+
+def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path: Path, prefect_api: str, tokenizer) -> None:
+    (tmp_path / "base").mkdir()
+    write_stage_inputs(tmp_path / "base")
+    save_rm_output(tmp_path / "base" / "judge_reward", tokenizer, seed=2)
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "RLHF_TRAINING_LEASE_SECONDS": "60",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = ablate_command(tmp_path / "base", tmp_path / "runs")
+    ppo_dir = kill_at_first_checkpoint(command, tmp_path, env, tmp_path / "runs", "ablations/*/vanilla/ppo", START_DEADLINE_S)
+    checkpointed = [int(path.name.split("-")[1]) for path in complete_checkpoints(ppo_dir / "checkpoints")]
+    assert not (ppo_dir / "metrics.json").exists()
+
+    rerun = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S)
+
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in rerun.stdout.splitlines() if ": " in line)
+    ablation_dir = Path(lines["ablation directory"])
+    assert ablation_dir != ppo_dir.parent.parent  # a new flow run, with a directory of its own ...
+    assert lines["variant vanilla"] == f"ran: {ppo_dir}"  # ... whose variant trained on in the killed run's directory
+    metrics = json.loads((ppo_dir / "metrics.json").read_text())
+    assert metrics["resumed_from"] >= max(checkpointed) >= CHECKPOINT_EVERY
+    assert metrics["steps_completed"] == metrics["total_steps"] == PPO_STEPS
+    steps = [json.loads(line)["step"] for line in (ppo_dir / "history.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == PPO_STEPS  # no iteration logged twice
+    (row,) = json.loads((ablation_dir / "comparison" / "comparison.json").read_text())["rows"]
+    assert row["variant"] == "vanilla" and row["resumed"] is True and row["judge_win_minus_lose"] is not None
+    claims = tmp_path / "runs" / ".cache" / "in_progress"
+    assert not claims.exists() or not any(claims.iterdir())  # the finished variant released its claim
