@@ -9,9 +9,11 @@ Everything after `--` goes to `ppo_throughput.py`; TRL's run mirrors the setting
 (`trl_ppo_throughput.py --settings`). Each round runs ours, then TRL, in the same conditions; with
 several rounds the figures are medians (on a loaded machine the ratio is what to read, not the
 seconds). Prints both resolved configurations side by side, the figures with the ratio ours / TRL,
-and the issue's targets (samples/s at least 2x TRL's on the tiny model and 1.3x on SmolLM2, at no
-more peak memory). Reports go to `--out` (default benchmarks/results/, git-ignored):
-`ours-<round>.json`, `trl-<round>.json` and `comparison.json`.
+and issue 17's targets (samples/s at least 4x TRL's on the tiny model and 2.5x on SmolLM2, at no
+more peak memory). `--baseline-engine hf` also runs ours with that rollout engine in every round
+(before TRL) and checks the generation target: generation time per iteration at most half the
+baseline's. Reports go to `--out` (default benchmarks/results/, git-ignored): `ours-<round>.json`,
+`baseline-<round>.json`, `trl-<round>.json` and `comparison.json`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from generation_bounds import print_generation
+
 HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
-SAMPLES_PER_S_TARGETS = {"tiny": 2.0, "smollm2": 1.3}  # the issue's targets, ours / TRL
+SAMPLES_PER_S_TARGETS = {"tiny": 4.0, "smollm2": 2.5}  # issue 17's targets, ours / TRL
+GENERATION_TARGET = 0.5  # issue 17: generation s / iteration at most half the baseline engine's
 HIDDEN_SETTINGS = {"model_config"}  # long, and equal by construction (TRL builds from it)
 FIGURES = (  # (label, path in the report)
     ("samples/s", ("samples_per_s",)),
     ("generated tokens/s", ("generated_tokens_per_s",)),
     ("samples / CPU-second", ("samples_per_cpu_s",)),
     ("generate s / iteration", ("time_s", "generate")),
+    ("generate share", ("time_share", "generate")),
     ("score s / iteration", ("time_s", "score")),
     ("train s / iteration", ("time_s", "train")),
     ("other s / iteration", ("time_s", "other")),
@@ -53,6 +59,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--rounds", type=int, default=1, help="ours-then-TRL rounds; figures are medians")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON reports go")
     parser.add_argument("--trl-python", type=Path, default=TRL_PYTHON, help="the TRL venv's python")
+    parser.add_argument(
+        "--baseline-engine", choices=["hf", "lean"], help="also run ours with this ppo.rollout.engine each round"
+    )
     args = parser.parse_args(own)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -123,14 +132,29 @@ def check_targets(model: str, ratios: dict[str, float]) -> dict[str, Any]:
     return result
 
 
+def check_generation(ours: dict[str, float], baseline: dict[str, float], engine: str) -> dict[str, Any]:
+    """Ours against ours with the baseline engine: generation time per iteration, and samples/s."""
+    ratio = ours["generate s / iteration"] / baseline["generate s / iteration"]
+    speedup = ours["samples/s"] / baseline["samples/s"]
+    met = ratio <= GENERATION_TARGET
+    print(f"\ntarget generate s / iteration ours / ours with engine {engine} <= {GENERATION_TARGET}: "
+          f"{ratio:.2f} -> {met} (samples/s {speedup:.2f}x)")  # fmt: skip
+    return {"baseline_engine": engine, "generate_ratio": ratio, "samples_per_s_ratio": speedup, "generate_met": met}
+
+
 def main(argv: list[str] | None = None) -> int:
     args, ours_options = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    ours_reports, trl_reports = [], []
+    ours_reports, trl_reports, baseline_reports = [], [], []
     for number in range(1, args.rounds + 1):
         ours_json, trl_json = args.out / f"ours-{number}.json", args.out / f"trl-{number}.json"
         run([sys.executable, str(HERE / "ppo_throughput.py"), *ours_options, "--json", str(ours_json)])
         ours_report = json.loads(ours_json.read_text(encoding="utf-8"))
+        if args.baseline_engine:
+            baseline_json = args.out / f"baseline-{number}.json"
+            run([sys.executable, str(HERE / "ppo_throughput.py"), *ours_options, "--engine", args.baseline_engine,
+                 "--json", str(baseline_json)])  # fmt: skip
+            baseline_reports.append(json.loads(baseline_json.read_text(encoding="utf-8")))
         peak = ours_report["flops"]["peak_tflops"]
         run(
             [str(args.trl_python), str(HERE / "trl_ppo_throughput.py"), "--settings", str(ours_json),
@@ -141,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     print_settings(ours_reports[0]["settings"], trl_reports[0]["settings"])
     print_resolved("ours", ours_reports[0]["resolved_config"])
     print_resolved("TRL", trl_reports[0]["resolved_config"])
+    print("\n== ours: generation against its bounds (first round) ==")
+    print_generation(ours_reports[0]["generation"])
     ours, trl = median_figures(ours_reports), median_figures(trl_reports)
     ratios = print_ratios(ours, trl)
     targets = check_targets(ours_reports[0]["settings"]["model"], ratios)
+    if baseline_reports:
+        targets["generation"] = check_generation(ours, median_figures(baseline_reports), args.baseline_engine)
     comparison = {
         "rounds": args.rounds,
         "ours": ours,

@@ -3,7 +3,9 @@
 Runs `--warmup-iterations` then `--iterations` full PPO iterations (rollout: generation and the
 no-grad scoring passes, experience assembly; update: the PPO epochs) on fixed-length prompts and
 prints samples/s, generated tokens/s, the time split, peak memory and model FLOP utilisation
-(`measurement.py` says exactly what each figure is). `--json OUT` writes every figure.
+(`measurement.py` says exactly what each figure is), then generation against its memory-bandwidth and
+compute bounds and, with `--sweep 8,16,32`, replies per second at other rollout batch sizes
+(`generation_bounds.py`). `--json OUT` writes every figure.
 
     python benchmarks/ppo_throughput.py --config configs/tiny.yaml --iterations 3
     python benchmarks/ppo_throughput.py --model smollm2 --batch-size 8 --prompt-length 64 \
@@ -35,6 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from generation_bounds import (
+    batch_sweep,
+    bound_report,
+    generation_bound,
+    matmul_gflops,
+    memory_bandwidth_gbs,
+    print_generation,
+)
 from measurement import (
     IterationTimes,
     Workload,
@@ -52,14 +62,22 @@ from rlhf_core.config import Config, load_config
 from rlhf_core.models.base import DTYPES, load_base_model, load_base_tokenizer, smollm2_dir
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.ppo.rollout import RewardModelScorer
 from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.rollout import RewardModelScorer, left_pad
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 from rlhf_core.training.loop import seed_everything
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PARAMS = REPO_ROOT / "params.yaml"
 BENCHMARK_OVERLAY = Path(__file__).resolve().parent / "ppo_benchmark.yaml"
+
+
+def batch_sizes(text: str) -> list[int]:
+    """`--sweep 8,16,32` -> [8, 16, 32]."""
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes >= 1, got {text!r}")
+    return sizes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +96,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--response-length", type=int, help="tokens per response (ppo.rollout.max_new_tokens)"
     )
     parser.add_argument("--ppo-epochs", type=int, help="ppo.ppo_epochs")
+    parser.add_argument("--engine", choices=["hf", "lean"], help="ppo.rollout.engine (default: the config's)")
+    parser.add_argument(
+        "--rollout-dtype", choices=["float32", "bfloat16"], help="ppo.rollout.dtype (lean engine weights)"
+    )
+    parser.add_argument(
+        "--sweep", type=batch_sizes, default=[], help="after the iterations, generation alone at these rollout "
+        "batch sizes, e.g. 8,16,32: replies per second against the bound (generation_bounds.py)",
+    )  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only; ignored on CPU)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -108,6 +134,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
         "ppo.max_prompt_tokens": args.prompt_length,
         "ppo.rollout.max_new_tokens": args.response_length,
         "ppo.ppo_epochs": args.ppo_epochs,
+        "ppo.rollout.engine": args.engine,
+        "ppo.rollout.dtype": args.rollout_dtype,
     }
     overrides = [f"{key}={value}" for key, value in options.items() if value is not None]
     overrides += ["ppo.critic_pretrain_steps=0", f"distributed.bf16={str(args.bf16).lower()}"]
@@ -176,6 +204,8 @@ def benchmark_settings(
         "data": args.data,
         "prompt_count": prompts,
         "temperature": ppo.rollout.temperature,
+        "rollout_engine": ppo.rollout.engine,
+        "rollout_dtype": ppo.rollout.dtype if ppo.rollout.engine == "lean" else config.model.dtype,
         "kl_coef": ppo.kl_coef,
         "clip_eps": ppo.clip_eps,
         "value_clip": ppo.value_clip,
@@ -247,6 +277,47 @@ def measure(
     return Measurement(iterations=times, wall_s=wall_s, cpu_s=cpu_s, memory=peak_memory(device, window))
 
 
+def sweep_generation(trainer: PPOTrainer, prompt_ids: list[list[int]], device: torch.device, length: int) -> Any:
+    """`batch_sweep`'s callable: the trainer's own generation on `batch` benchmark prompts, timed."""
+
+    def generate(batch: int) -> float:
+        prompt = left_pad([prompt_ids[i % len(prompt_ids)] for i in range(batch)], trainer.maker.pad_id, device)
+        started = time.perf_counter()
+        generation = trainer.maker.generate(prompt)
+        synchronize(device)
+        if int(generation.response_mask.sum()) != batch * length:
+            raise RuntimeError("a sweep reply stopped early: the figure would not be per full-length reply")
+        return time.perf_counter() - started
+
+    return generate
+
+
+def generation_section(
+    trainer: PPOTrainer, config: Config, args: argparse.Namespace, measurement: Measurement,
+    prompt_ids: list[list[int]], device: torch.device,
+) -> dict[str, Any]:  # fmt: skip
+    """Generation against its bounds (generation_bounds.py), and the `--sweep` of rollout batch sizes."""
+    ppo = config.ppo
+    dtype = DTYPES[ppo.rollout.dtype if ppo.rollout.engine == "lean" else config.model.dtype]
+    bandwidth, gflops = memory_bandwidth_gbs(), matmul_gflops(dtype)
+    length, prompt_length = ppo.rollout.max_new_tokens, ppo.max_prompt_tokens
+
+    def bound(batch: int) -> Any:
+        return generation_bound(trainer.models.policy, dtype, batch, prompt_length, length, bandwidth, gflops)
+
+    times = measurement.iterations
+    generate_s = sum(t.generate_s for t in times) / len(times)
+    total_s = sum(t.total_s for t in times) / len(times)
+    batch = ppo.rollout_batch_size
+    return {
+        "engine": ppo.rollout.engine,
+        "dtype": str(dtype).removeprefix("torch."),
+        "share_of_iteration": generate_s / total_s,
+        **bound_report(bound(batch), generate_s, batch * length),
+        "sweep": batch_sweep(sweep_generation(trainer, prompt_ids, device, length), args.sweep, bound, length),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -290,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt_fingerprint=fingerprint(prompt_ids),
         peak_tflops=args.peak_tflops,
     )
+    report["generation"] = generation_section(trainer, config, args, measurement, prompt_ids, device)
     print_report(report)
+    print_generation(report["generation"])
     if args.json:
         write_json(report, args.json)
     return 0

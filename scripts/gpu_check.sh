@@ -6,13 +6,18 @@
 #      SFT, reward model, PPO-max, registration, with a temporary Prefect server and a SQLite MLflow
 #      store in a scratch directory (nothing of yours is touched);
 #   2. the PPO throughput benchmark (benchmarks/ppo_throughput.py) on SmolLM2-135M in bf16: samples/s,
-#      generated tokens/s, the time split, peak GPU memory and model FLOP utilisation (MFU).
+#      generated tokens/s, the time split, peak GPU memory and model FLOP utilisation (MFU), with the
+#      default rollout engine (`ppo.rollout.engine: lean`), generation against its memory-bandwidth
+#      bound and a rollout-batch sweep of replies per second;
+#   3. the rollout engines side by side (benchmarks/rollout_engines.py): hf `generate` against the lean
+#      engine (float32 and bf16 weights) on SmolLM2, seconds per rollout, whether the lean engine draws
+#      hf's tokens, and each engine's log-prob gap to the float32 scoring pass.
 #
 #   scripts/gpu_check.sh                     # on a CUDA machine
 #   scripts/gpu_check.sh --dry-run           # the same steps on the CPU, tiny model, 2 benchmark iterations (CI)
 #
 # Options:
-#   --dry-run            CPU only (CUDA hidden), the tiny model in the benchmark too, 2 iterations
+#   --dry-run            CPU only (CUDA hidden), the tiny model in the benchmarks too, 2 iterations
 #   --data FILE          preference pairs for the pipeline and the benchmark's prompts
 #                        (default: ../shared/data/hh-rlhf-harmless/pairs-1800.jsonl.gz beside the checkout)
 #   --iterations N       measured benchmark iterations (default 5; dry run 2)
@@ -21,7 +26,7 @@
 #   --work-dir DIR       where runs, stores and the benchmark JSON go (default: a new temporary directory,
 #                        kept and printed at the end)
 #
-# Exit status: 0 when both steps passed; 1 after saying which step failed; 2 for a bad option.
+# Exit status: 0 when every step passed; 1 after saying which step failed; 2 for a bad option.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,12 +41,15 @@ work_dir=""
 # and the test that runs it has its own.
 pipeline_timeout_s=300
 benchmark_timeout_s=150
+engines_timeout_s=120
 # Benchmark shape on the GPU: a rollout batch and lengths that keep an H100-class GPU busy without
 # making the check long.
 gpu_batch_size=64
 gpu_mini_batch_size=16
 gpu_prompt_length=128
 gpu_response_length=128
+gpu_sweep=16,64
+gpu_engine_shape=(--model smollm2 --batch-sizes 16,64 --prompt-length 128 --response-length 64 --repeats 2)
 
 usage() {
     sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
@@ -89,14 +97,17 @@ if $dry_run; then
     device=cpu
     pipeline_timeout_s=0
     benchmark_timeout_s=0
+    engines_timeout_s=0
     iterations="${iterations:-2}"
-    benchmark_shape=(--config "$repo/configs/tiny.yaml" --warmup-iterations 0)
+    benchmark_shape=(--config "$repo/configs/tiny.yaml" --warmup-iterations 0 --sweep 2,4)
+    engine_shape=(--config "$repo/configs/tiny.yaml" --batch-sizes 4 --prompt-length 32 --response-length 8 --repeats 1)
 else
     device=cuda
     iterations="${iterations:-5}"
     benchmark_shape=(--model smollm2 --bf16 --warmup-iterations 1 --batch-size "$gpu_batch_size"
         --mini-batch-size "$gpu_mini_batch_size" --micro-batch-size "$gpu_mini_batch_size"
-        --prompt-length "$gpu_prompt_length" --response-length "$gpu_response_length")
+        --prompt-length "$gpu_prompt_length" --response-length "$gpu_response_length" --sweep "$gpu_sweep")
+    engine_shape=("${gpu_engine_shape[@]}")
 fi
 
 section "device"
@@ -122,7 +133,7 @@ EOF
 peak_tflops="${peak_tflops:-$(peak_tflops_of "$gpu_name")}"
 echo "work directory: $work_dir"
 
-section "1/2 tiny pipeline (rlhf run, configs/tiny.yaml, bf16 on $device)"
+section "1/3 tiny pipeline (rlhf run, configs/tiny.yaml, bf16 on $device)"
 # A scratch Prefect home and no configured servers: `rlhf run` starts a temporary Prefect server (given
 # more than its default 20 s to come up: a busy CI machine needs it), and MLflow tracks to mlflow.db +
 # mlruns/ in the work directory.
@@ -138,7 +149,7 @@ pipeline_started=$SECONDS
 pipeline_s=$((SECONDS - pipeline_started))
 grep -q "^registered: rlhf-policy version" "$work_dir/pipeline.log" || fail "the pipeline registered no policy"
 
-section "2/2 PPO throughput benchmark ($device, $iterations iterations)"
+section "2/3 PPO throughput benchmark ($device, $iterations iterations)"
 benchmark_json="$work_dir/ppo_throughput.json"
 benchmark_started=$SECONDS
 timeout --kill-after=30 "$benchmark_timeout_s" python "$repo/benchmarks/ppo_throughput.py" \
@@ -146,11 +157,20 @@ timeout --kill-after=30 "$benchmark_timeout_s" python "$repo/benchmarks/ppo_thro
     ${peak_tflops:+--peak-tflops "$peak_tflops"} --json "$benchmark_json" || fail "PPO throughput benchmark"
 benchmark_s=$((SECONDS - benchmark_started))
 
+section "3/3 rollout engines ($device): hf generate against the lean engine"
+engines_json="$work_dir/rollout_engines.json"
+engines_started=$SECONDS
+timeout --kill-after=30 "$engines_timeout_s" python "$repo/benchmarks/rollout_engines.py" \
+    --device "$device" --data "$data" "${engine_shape[@]}" --json "$engines_json" \
+    | tee "$work_dir/rollout_engines.log" || fail "rollout engines"
+engines_s=$((SECONDS - engines_started))
+
 section "summary$($dry_run && echo ' (dry run: CPU, tiny model)')"
 echo "device               $gpu_name"
 echo "tiny pipeline        passed in ${pipeline_s} s ($(grep -m1 '^run directory:' "$work_dir/pipeline.log"))"
 echo "benchmark            passed in ${benchmark_s} s ($benchmark_json)"
-python - "$benchmark_json" <<'EOF'
+echo "rollout engines      passed in ${engines_s} s ($engines_json)"
+python - "$benchmark_json" "$engines_json" <<'EOF'
 import json
 import sys
 
@@ -168,5 +188,16 @@ if flops["mfu"] is None:
     print("MFU                  not computed (pass --peak-tflops)")
 else:
     print(f"MFU                  {100 * flops['mfu']:.2f} % of {flops['peak_tflops']:g} TFLOP/s")
+generation = report["generation"]
+print(f"generation           engine {generation['engine']}, {100 * generation['share_of_iteration']:.1f} % of the "
+      f"iteration, {generation['measured_tokens_per_s']:.1f} tokens/s ({100 * generation['bound_over_measured']:.0f} % "
+      f"of the {generation['memory_bandwidth_gbs']:.0f} GB/s bandwidth bound's speed)")
+for row in generation["sweep"]:
+    print(f"sweep batch {row['batch_size']:<8} {row['replies_per_s']:.2f} replies/s")
+for batch, engines in json.load(open(sys.argv[2]))["batches"].items():
+    hf = engines["hf"]["seconds"]
+    print(f"engines batch {batch:<6} " + ", ".join(
+        f"{name} {row['seconds']:.3f} s ({hf / row['seconds']:.2f}x hf, same tokens {row['same_tokens_as_hf']}, "
+        f"log-prob gap {row['logprob_gap_mean']:.1e})" for name, row in engines.items()))
 EOF
 echo "gpu_check: PASSED"

@@ -1,10 +1,11 @@
 """Under ZeRO-3 the PPO policy's weights are gathered once per rollout for generation, not once per token.
 
 Two CPU processes (gloo) run tests/scripts/distributed_zero3_rollout.py under the real launcher: the
-trainer of the PPO stage with a ZeRO-3 policy engine does two rollouts. Per rollout, each rank must
-gather the whole policy exactly once and run no all-gather at all while `generate` runs; the control,
-`generate` on the partitioned policy without that gather, all-gathers weights at least once per
-generated token (which is what the single gather saves).
+trainer of the PPO stage with a ZeRO-3 policy engine does two rollouts (an update after each), with either
+rollout engine. Per rollout, each rank must gather the whole policy exactly once and run no all-gather at
+all while the engine generates; the control, `generate` on the partitioned policy without that gather,
+all-gathers weights at least once per generated token (which is what the single gather saves). After the
+updates the engine, synced inside the gather, still draws `generate`'s tokens on the updated policy.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
     return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "lean"])
 def test_one_whole_policy_gather_per_rollout_and_none_inside_generate(
-    inputs: StageInputs, tmp_path: Path
+    inputs: StageInputs, tmp_path: Path, engine: str
 ) -> None:
     log = RankLog()
     args = [
@@ -42,7 +45,7 @@ def test_one_whole_policy_gather_per_rollout_and_none_inside_generate(
     ]
     spec = Launch(
         module="distributed_zero3_rollout",
-        args=[*args, "--rollouts", str(ROLLOUTS)],
+        args=[*args, "--rollouts", str(ROLLOUTS), "--engine", engine],
         distributed=DistributedConfig(num_processes=2, zero_stage=3, master_port=free_port()),
         log_dir=tmp_path / "logs",
         env={"PYTHONPATH": str(SCRIPTS), "OMP_NUM_THREADS": "1"},
@@ -61,3 +64,4 @@ def test_one_whole_policy_gather_per_rollout_and_none_inside_generate(
             assert rollout["all_gathers_during_generate"] == 0, (rank, rollout)
             assert rollout["generated_columns"] >= 1
         assert result["control_all_gathers_during_generate"] >= result["control_generated_columns"] >= 1
+        assert result["same_tokens_as_generate_after_update"], rank

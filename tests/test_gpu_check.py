@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh: its CPU dry run (what CI runs) passes and prints the figures of the benchmark it
-ran, and its argument and data checks fail with a message naming the problem.
+ran (PPO throughput, generation against its bound, the rollout engines side by side), and its argument and
+data checks fail with a message naming the problem.
 
 The dry run is the real script end to end: the tiny pipeline through `rlhf run` (temporary Prefect
 server, SQLite MLflow store), then benchmarks/ppo_throughput.py on the tiny model. Its printed summary is
@@ -71,6 +72,14 @@ def test_dry_run_passes_and_prints_the_benchmark_figures(tmp_path: Path) -> None
     assert number(figures["MFU"]) == pytest.approx(100 * model_tflops / PEAK_TFLOPS, abs=0.01)
     assert f"of {PEAK_TFLOPS:g} TFLOP/s" in figures["MFU"]
 
+    # Generation against its bound, the batch sweep, and the engines side by side (the lean engine's tokens
+    # are hf's: both float32 on the CPU).
+    generation = report["generation"]
+    assert generation["engine"] == "lean" and [row["batch_size"] for row in generation["sweep"]] == [2, 4]
+    assert "rollout engines" in figures and figures["generation"].startswith("engine lean")
+    engines = json.loads((tmp_path / "rollout_engines.json").read_text())["batches"]["4"]
+    assert engines["lean"]["same_tokens_as_hf"] is True and engines["lean"]["logprob_gap_max"] < 1e-4
+
     # The tiny pipeline ran every stage and registered the policy.
     run_dir = Path(re.search(r"run directory: (\S+)\)", figures["tiny pipeline"])[1])
     assert run_dir.parent == tmp_path / "runs"
@@ -79,12 +88,14 @@ def test_dry_run_passes_and_prints_the_benchmark_figures(tmp_path: Path) -> None
     assert re.search(r"^registered: rlhf-policy version \d+", (tmp_path / "pipeline.log").read_text(), re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_unknown_option_is_refused_by_name() -> None:
     result = subprocess.run([str(SCRIPT), "--gpu"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "unknown option --gpu" in result.stderr
 
 
+@pytest.mark.slow
 def test_missing_data_fails_before_any_work(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-pairs.jsonl"
     result = subprocess.run(

@@ -10,18 +10,19 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig, TinyModelConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience import Experience
+from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.rollout import RewardModelScorer
 from rlhf_core.ppo.shared_trunk import find_shared_trunk
-from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIZES = TinyModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TOP = 1  # trainable blocks: the lower 3 form the trunk
@@ -33,11 +34,6 @@ SFT = [([{"role": "user", "content": f"Say {i}."}], f"I say {i}, then {i + 1}.")
 EXPERIENCE_FIELDS = (
     "response_ids", "logprobs", "ref_logprobs", "entropy", "values", "scores", "advantages", "returns",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tiny_model()[1]
 
 
 def four_models(tokenizer: PreTrainedTokenizerBase, reward_seed: int = 0) -> PPOModels:
@@ -67,6 +63,7 @@ def make_trainer(models: PPOModels, tokenizer: PreTrainedTokenizerBase, **settin
             "rollout_batch_size": 4,
             "mini_batch_size": 4,
             "micro_batch_size": 2,
+            "ppo_epochs": 1,
             "policy_lr": 1e-3,
             "critic_lr": 1e-3,
             "critic_pretrain_steps": 0,
@@ -164,19 +161,46 @@ def test_iteration_through_the_trunk_matches_full_forwards(tokenizer: PreTrained
     assert full_calls["policy"] - shared_calls["policy"] == 2
 
 
-def test_rollout_runs_the_lower_blocks_once(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Scoring a rollout of 4 rows in micro-batches of 2: 2 trunk passes, instead of 2 per model."""
+@pytest.mark.parametrize("engine", ["hf", "lean"])
+def test_rollout_runs_the_lower_blocks_once(tokenizer: PreTrainedTokenizerBase, engine: str) -> None:
+    """Scoring a rollout of 4 rows in micro-batches of 2: 2 trunk passes, instead of 2 per model; with the
+    lean engine none at all, as it hands back the trunk's states it computed while sampling."""
     counts = {}
     for shared in (False, True):
         models = four_models(tokenizer)
-        trainer = make_trainer(models, tokenizer, share_frozen_trunk=shared)
+        rollout = {"max_new_tokens": 8, "engine": engine}
+        trainer = make_trainer(models, tokenizer, share_frozen_trunk=shared, rollout=rollout)
         torch.manual_seed(0)
         calls, handles = lower_block_calls(models)
         trainer.maker.make_experience(trainer.maker.next_prompts())
         for handle in handles:
             handle.remove()
         counts[shared] = calls
-    # Same seed, same responses: the policy's generation calls are the same in both runs.
-    assert counts[False]["policy"] == counts[True]["policy"]
     assert [counts[False][name] for name in ("reference", "critic", "reward_model")] == [2, 2, 2]
     assert [counts[True][name] for name in ("reference", "critic", "reward_model")] == [0, 0, 0]
+    if engine == "hf":  # same seed, same responses: the same generation calls, then 2 passes either way
+        assert counts[False]["policy"] == counts[True]["policy"]
+    else:  # the lean engine runs no module: only the policy's own scoring passes are left, without the trunk
+        assert (counts[False]["policy"], counts[True]["policy"]) == (2, 0)
+
+
+def test_frozen_members_store_the_trunk_once(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The reference and the reward model read the policy's lower-block tensors (one copy in memory);
+    the critic, which trains and is checkpointed, keeps its own; each model keeps its own Parameters."""
+    models = four_models(tokenizer)
+    make_trainer(models, tokenizer)
+    policy, reference = models.policy.model, models.reference.model
+    reward, critic = models.scorer.reward_model.backbone, models.critic.backbone
+    for index in range(SIZES.num_layers - TOP):
+        for name, parameter in policy.layers[index].named_parameters():
+            for other in (reference, reward):
+                shared = other.layers[index].get_parameter(name)
+                assert shared is not parameter and shared.data_ptr() == parameter.data_ptr()
+            assert critic.layers[index].get_parameter(name).data_ptr() != parameter.data_ptr()
+    top = SIZES.num_layers - 1
+    assert reference.layers[top].mlp.up_proj.weight.data_ptr() != policy.layers[top].mlp.up_proj.weight.data_ptr()
+    embedding = policy.embed_tokens.weight.data_ptr()
+    assert reference.embed_tokens.weight.data_ptr() == embedding
+    assert models.reference.lm_head.weight is reference.embed_tokens.weight  # the tie follows the embedding
+    models.reference.to(torch.bfloat16)
+    assert policy.embed_tokens.weight.dtype == torch.float32 and policy.embed_tokens.weight.data_ptr() == embedding

@@ -1,11 +1,13 @@
 """Phase 1 of an iteration: sample responses and judge them into an `Experience` (paper 5.1, Figure 1).
 
 The `ExperienceMaker` owns everything between the prompt stream and the tensors PPO learns from: the
-next prompts (a seeded reshuffle every epoch, sharded across ranks), one batched KV-cached `generate`
-call (under ZeRO-3 with the policy gathered once), and the no-grad scoring passes of the policy, the
-reference, the critic and the reward model, `micro_batch_size` rows at a time. With the shared trunk
-(rlhf_core/ppo/shared_trunk.py) the frozen lower blocks run once per rollout and every pass, the update
-included, starts from their residual stream. `recipe.assemble_experience` then turns the scores into
+next prompts (a seeded reshuffle every epoch, sharded across ranks), one batched call of the rollout
+engine (rollout_engine.py, `ppo.rollout.engine`; under ZeRO-3 with the policy gathered once), and the
+no-grad scoring passes of the policy, the reference, the critic and the reward model, `micro_batch_size`
+rows at a time: the log-probs PPO uses are always the scoring pass's, never the engine's. With the
+shared trunk (rlhf_core/ppo/shared_trunk.py) the frozen lower blocks run once per rollout (or not at all:
+the lean engine hands back their states) and every pass, the update included, starts from their
+residual stream. `recipe.assemble_experience` then turns the scores into
 rewards, advantages and returns. Validation (validation.py) samples and scores through the same methods.
 """
 
@@ -22,13 +24,14 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import PPOConfig
+from rlhf_core.config import PPOConfig, RolloutConfig
 from rlhf_core.distributed.collectives import gather_rows, group_size, sum_across_ranks
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.models.chat import Messages, encode_prompt
 from rlhf_core.models.heads import Critic
 from rlhf_core.ppo.experience import Experience
+from rlhf_core.ppo.lean_engine import DTYPES, LeanEngine
 from rlhf_core.ppo.monitors import Metrics, experience_monitors
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.recipe import assemble_experience
@@ -37,14 +40,19 @@ from rlhf_core.ppo.rollout import (
     Scorer,
     at_least_float32,
     chunks,
-    generate_responses,
     left_pad,
     response_logprobs,
     response_values,
     stop_token_ids,
 )
+from rlhf_core.ppo.rollout_engine import (
+    Generation,
+    HFGenerateEngine,
+    RolloutEngine,
+    SamplingParams,
+)
 from rlhf_core.ppo.sequences import TrunkStates
-from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk
+from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk, share_storage
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,31 @@ class PPOModels:
     reference: PreTrainedModel  # frozen copy of the SFT model: the KL anchor
     critic: Critic  # trained; starts from the reward model (or SFT + a fresh head)
     scorer: Scorer  # frozen reward model (`rollout.RewardModelScorer`) or, in tests, a rule
+
+
+def make_rollout_engine(
+    settings: RolloutConfig, policy: PreTrainedModel, rollout_batch_size: int, trunk_layers: int | None = None
+) -> RolloutEngine:
+    """The engine `ppo.rollout.engine` names (rollout_engine.py); the lean one copies `policy`'s weights now
+    and, given the shared trunk's `trunk_layers`, hands back its states when it computes in the policy's dtype."""
+    if settings.engine == "hf":
+        if settings.dtype != "float32":
+            raise ValueError("ppo.rollout.dtype=bfloat16 needs ppo.rollout.engine=lean (hf samples the policy itself)")
+        return HFGenerateEngine(policy)
+    same_dtype = DTYPES[settings.dtype] == next(policy.parameters()).dtype
+    return LeanEngine(policy, settings, rollout_batch_size, trunk_layers if same_dtype else None)
+
+
+def engine_logprob_gap(generation: Generation, scoring_logprobs: Tensor) -> Metrics:
+    """How far the engine's own log-probs of its tokens are from the scoring pass's (none reported: {}).
+
+    With float32 weights both are the policy's distribution up to rounding; a larger gap (bf16 weights)
+    is how far off-policy the rollout is (lean_engine.py)."""
+    real = generation.response_mask.bool()
+    if generation.logprobs is None or not bool(real.any()):
+        return {}
+    gap = (generation.logprobs - scoring_logprobs).abs()[real]
+    return {"rollout/engine_logprob_gap": float(gap.mean()), "rollout/engine_logprob_gap_max": float(gap.max())}
 
 
 def gather_experience(experience: Experience, pad_id: int) -> Experience:
@@ -92,7 +125,8 @@ class ExperienceMaker:
     """Prompt stream, sampling and scoring; its state (`prompt_batches_used`, `score_stats`) is checkpointed.
 
     `whole_policy()` is the context that makes the policy's weights whole for sampling (ZeRO-3), and
-    `autocast()` the precision of every forward pass; the trainer provides both.
+    `autocast()` the precision of every forward pass; the trainer provides both. `engine` samples the
+    replies (default: the one `ppo.rollout.engine` names, made on first use, inside `whole_policy()`).
     """
 
     def __init__(
@@ -105,8 +139,10 @@ class ExperienceMaker:
         context: RankContext,
         whole_policy: Callable[[], AbstractContextManager[None]],
         autocast: Callable[[], AbstractContextManager[object]],
+        engine: RolloutEngine | None = None,
     ) -> None:
         self.models = models
+        self.engine = engine
         self.tokenizer = tokenizer
         self.prompts = prompts
         self.config = config
@@ -132,7 +168,8 @@ class ExperienceMaker:
         return fixed_size_plan(len(self.prompts), seed, global_batch, 1)
 
     def _shared_trunk(self) -> SharedTrunk | None:
-        """The frozen lower blocks the models share (shared_trunk.py), when switched on and found."""
+        """The frozen lower blocks the models share (shared_trunk.py), when switched on and found; the
+        frozen members (reference, reward model) are made to store them once (`share_storage`)."""
         if not self.config.share_frozen_trunk or self.context.is_distributed:
             return None
         scorer = self.models.scorer
@@ -146,20 +183,29 @@ class ExperienceMaker:
             self.config.trainable_top_layers,
         )
         if trunk is not None:
+            frozen = {"reference": (self.models.reference.base_model, self.models.reference)}
+            if isinstance(scorer, RewardModelScorer):
+                frozen["reward_model"] = (scorer.reward_model.backbone, scorer.reward_model)
             log.info(
-                "shared trunk: the lower %d blocks of the policy, shared with %s",
+                "shared trunk: the lower %d blocks of the policy, shared with %s (%.0f MiB stored once)",
                 trunk.num_lower,
                 ", ".join(sorted(trunk.members)),
+                share_storage(trunk, frozen) / 2**20,
             )
         return trunk
 
     # ---- the shared trunk ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def trunk_states(self, prompt: Batch, response: Batch) -> TrunkStates | None:
-        """The shared trunk's residual stream of a sampled batch (None without a shared trunk)."""
+    def trunk_states(
+        self, prompt: Batch, response: Batch, generation: Generation | None = None
+    ) -> TrunkStates | None:
+        """The shared trunk's residual stream of a sampled batch (None without a shared trunk): the one the
+        engine computed while sampling `generation` when it did (`Generation.trunk_residual`), else a pass."""
         if self.trunk is None:
             return None
+        if generation is not None and generation.trunk_residual is not None:
+            return TrunkStates(generation.trunk_residual, self.trunk.num_lower)
         with self.autocast():
             return self.trunk.states(prompt, response, self.config.micro_batch_size)
 
@@ -196,11 +242,22 @@ class ExperienceMaker:
         return sorted(prompts, key=len)
 
     @torch.no_grad()
+    def generate(self, prompt: Batch) -> Generation:
+        """One response per prompt from the policy as it is now (the engine synced to it first)."""
+        self.models.policy.eval()
+        params = SamplingParams(self.config.rollout, tuple(self.stop_ids), self.pad_id)
+        with self.whole_policy(), self.autocast():
+            if self.engine is None:
+                trunk_layers = self.trunk.num_lower if self.trunk is not None else None
+                rows = prompt[0].shape[0]
+                self.engine = make_rollout_engine(self.config.rollout, self.models.policy, rows, trunk_layers)
+            self.engine.sync_weights(self.models.policy)
+            return self.engine.generate(*prompt, params)
+
     def sample(self, prompt: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """One response per prompt from the policy: ids, mask ``[B, T]`` and finished ``[B]``."""
-        self.models.policy.eval()
-        with self.whole_policy(), self.autocast():
-            return generate_responses(self.models.policy, *prompt, self.config.rollout, self.stop_ids, self.pad_id)
+        generation = self.generate(prompt)
+        return generation.response_ids, generation.response_mask, generation.finished
 
     def _per_micro_batch(
         self, pass_: Callable[..., Any], prompt: Batch, response: Batch, trunk: TrunkStates | None
@@ -274,10 +331,11 @@ class ExperienceMaker:
         self.models.critic.eval()
         prompt = left_pad(prompts, self.pad_id, self.device)
         started = time.perf_counter()
-        response_ids, response_mask, finished = self.sample(prompt)
+        generation = self.generate(prompt)
         generated = time.perf_counter()
+        response_ids, response_mask, finished = generation.response_ids, generation.response_mask, generation.finished
         response = (response_ids, response_mask)
-        trunk = self.trunk_states(prompt, response)
+        trunk = self.trunk_states(prompt, response, generation)
         logprobs, entropy = self.policy_logprobs_and_entropy(prompt, response, trunk)
         ref_logprobs = self.logprobs(self.models.reference, prompt, response, self.trunk_for("reference", trunk))
         values = self.values(prompt, response, self.trunk_for("critic", trunk))
@@ -305,6 +363,7 @@ class ExperienceMaker:
             "rollout/generated_tokens": float(sum_across_ranks(response_mask.sum())),
             "reward/running_mean": self.score_stats.mean,
             "reward/running_std": self.score_stats.std,
+            **engine_logprob_gap(generation, logprobs),
         }
         return experience, timings
 

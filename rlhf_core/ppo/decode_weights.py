@@ -1,0 +1,197 @@
+"""The lean rollout engine's own copy of the policy's weights, laid out for small-batch decoding on a CPU.
+
+Why a copy: a decode step multiplies a handful of rows (the rollout batch) by every weight matrix, so it
+is bound by how fast the weights stream from memory. PyTorch's default fp32 CPU matmul (MKL sgemm) reaches
+only a fraction of the measured bandwidth at such shapes (docs/rollout-engine.md: about 3 GB/s on
+SmolLM2's LM head and 5-7 GB/s on its blocks, against 15-25 GB/s for a plain copy), while oneDNN with the
+weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
+`torch.compile`'s CPU backend uses with frozen weights) runs the same products 1.5-4x faster. The
+reordered weights belong to the engine, as a serving engine's do (vLLM keeps its own copy too), and are
+refreshed from the policy by `DecoderWeights.refresh` before each rollout: only the parts the optimizer
+can have changed (a parameter with `requires_grad`) or whose tensors were replaced or written in place
+(storage pointer or version counter moved) are rebuilt, so with the CPU default of 4 trained blocks a
+refresh reorders 4 of SmolLM2's 30 blocks (and copies the final norm), not the embedding-sized LM head.
+
+fp32 weights give the policy's own distribution up to float32 rounding (oneDNN sums in another order than
+MKL: differences of ~1e-6 relative, the same size as those between HF `generate` and the scoring pass).
+bf16 weights (`ppo.rollout.dtype: bfloat16`) halve the bytes per step and use the CPU's native bf16 dot
+products, but sample from a different distribution; see `lean_engine.py` for what that means for PPO.
+
+Llama-family models only (`supported`): RMSNorm, rotary positions, grouped-query attention, a gated MLP;
+LoRA adapters (peft) are merged into the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+VersionKey = tuple[tuple[int, int], ...]
+
+
+def supported(model: PreTrainedModel) -> str | None:
+    """Why the lean engine cannot run `model` (None when it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (the lean engine runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope type {rope['rope_type']!r} (only the default rotary embedding)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    return None
+
+
+def can_reorder(device: torch.device) -> bool:
+    """Whether oneDNN's reordered-weight linear is available for `device` (CPU builds with mkldnn)."""
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def effective_linear(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The (weight, bias) a Linear layer applies: with peft LoRA adapters, W + sum of (alpha / r) B A."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module.weight, module.bias
+    weight = base.weight
+    if not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                weight = weight + module.get_delta_weight(adapter)
+    return weight, base.bias
+
+
+def version_key(tensors: Iterable[Tensor]) -> VersionKey:
+    """Where each tensor's data lives and how often it was written in place: changes when it is updated."""
+    return tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One (possibly fused) projection: oneDNN's reordered weight on CPU, a plain weight elsewhere."""
+
+    weight: Tensor
+    bias: Tensor | None
+    reordered: bool
+
+    @classmethod
+    def build(
+        cls, parts: list[tuple[Tensor, Tensor | None]], dtype: torch.dtype, reorder: bool, rows: int
+    ) -> Linear:
+        """The projections `parts` ((weight [out, in], bias) each) stacked into one, in `dtype`."""
+        weight = torch.cat([w.detach() for w, _ in parts]).to(dtype).contiguous()
+        biases = [b for _, b in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [b.detach() if b is not None else w.new_zeros(w.shape[0]) for (w, _), b in zip(parts, biases)]
+            ).to(dtype)
+        if reorder:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        return cls(weight=weight, bias=bias, reordered=reorder)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.reordered:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer block's weights: fused q|k|v and gate|up projections, the two norms' scales."""
+
+    input_norm: Tensor
+    post_norm: Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+def _block_sources(block: nn.Module) -> list[Tensor]:
+    """Every tensor a block's copy is made from (LoRA adapters included)."""
+    return list(block.parameters())
+
+
+def _build_block(block: nn.Module, dtype: torch.dtype, reorder: bool, rows: int) -> Block:
+    attention, mlp = block.self_attn, block.mlp
+    qkv = [effective_linear(attention.q_proj), effective_linear(attention.k_proj), effective_linear(attention.v_proj)]
+    return Block(
+        input_norm=block.input_layernorm.weight.detach().to(dtype),
+        post_norm=block.post_attention_layernorm.weight.detach().to(dtype),
+        qkv=Linear.build(qkv, dtype, reorder, rows),
+        o=Linear.build([effective_linear(attention.o_proj)], dtype, reorder, rows),
+        gate_up=Linear.build([effective_linear(mlp.gate_proj), effective_linear(mlp.up_proj)], dtype, reorder, rows),
+        down=Linear.build([effective_linear(mlp.down_proj)], dtype, reorder, rows),
+    )
+
+
+class DecoderWeights:
+    """The policy's weights in the engine's layout, plus the model constants the decoder needs."""
+
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, rows: int) -> None:
+        problem = supported(model)
+        if problem is not None:
+            raise ValueError(f"ppo.rollout.engine=lean cannot run this policy: {problem}; use engine hf")
+        config = model.config
+        self.dtype = dtype
+        self.rows = rows  # the batch size the reordered layout is tuned for (any batch works)
+        self.device = next(model.parameters()).device
+        self.reorder = can_reorder(self.device)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.rotary: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = model.model.rotary_emb
+        self.blocks: list[Block] = []
+        self._keys: list[VersionKey] = []
+        self.refresh(model)
+
+    def _parts(self, model: PreTrainedModel) -> list[tuple[list[Tensor], Callable[[], None]]]:
+        """Each separately rebuilt part: the tensors it is made from, and how to rebuild it. The final norm
+        is a part of its own: it trains with the top blocks, the embedding and the (tied) LM head do not."""
+        layers = list(model.model.layers)
+        embedding, lm_head, norm = model.get_input_embeddings(), model.get_output_embeddings(), model.model.norm
+
+        def block(index: int) -> Callable[[], None]:
+            def build() -> None:
+                self.blocks[index] = _build_block(layers[index], self.dtype, self.reorder, self.rows)
+
+            return build
+
+        if len(self.blocks) != len(layers):
+            self.blocks = [None] * len(layers)  # type: ignore[list-item]
+        return [
+            ([embedding.weight, *lm_head.parameters()], lambda: self._build_head(embedding.weight, lm_head)),
+            ([norm.weight], lambda: setattr(self, "norm", norm.weight.detach().to(self.dtype))),
+            *[(_block_sources(layer), block(index)) for index, layer in enumerate(layers)],
+        ]
+
+    @torch.no_grad()
+    def refresh(self, model: PreTrainedModel) -> int:
+        """Rebuild what may differ from `model`'s weights now (module doc); returns how many parts were rebuilt."""
+        parts = self._parts(model)
+        keys = [version_key(tensors) for tensors, _ in parts]
+        stale = [
+            index
+            for index, ((tensors, _), key) in enumerate(zip(parts, keys))
+            if index >= len(self._keys) or key != self._keys[index] or any(t.requires_grad for t in tensors)
+        ]
+        for index in stale:
+            parts[index][1]()
+        self._keys = keys
+        return len(stale)
+
+    def _build_head(self, embedding: Tensor, lm_head: nn.Module) -> None:
+        embedding = embedding.detach()
+        self.embedding = embedding if embedding.dtype == self.dtype else embedding.to(self.dtype)
+        self.lm_head = Linear.build([(lm_head.weight, lm_head.bias)], self.dtype, self.reorder, self.rows)
