@@ -7,8 +7,9 @@ URI); `--data/--sft/--reward/--judge` name single inputs instead. `--config`/`-s
 configuration every variant starts from (scale, steps, learning rates); each variant then sets its
 preset and `ppo.*` overrides (docs/ablation.md). Every variant is validated before Prefect starts: a
 bad key exits with status 2 naming the variant and the key. Like `rlhf run`, the flow runs in this
-process (a temporary Prefect server when PREFECT_API_URL is unset) and tracks to MLflow; the command
-ends by printing where the comparison is.
+process (a temporary Prefect server when PREFECT_API_URL is unset, checked services and other
+libraries' messages in a log file: rlhf_cli/in_process.py) and tracks to MLflow; the command ends by
+printing where the comparison is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.options import ConfigOption, ParamsOption, SetOption
+from rlhf_cli.in_process import in_process_flow
+from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
 
 GridOption = Annotated[Path, typer.Option("--grid", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
@@ -54,23 +56,29 @@ def ablate(
     remote_store: RemoteStoreOption = None,
 ) -> None:
     """Run PPO once per variant of a grid on one base, evaluate each against SFT, and compare them."""
-    from flows.ablation import AblationSettings, rlhf_ablation
-    from tasks.remote import RemoteStages
+    resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
+    with in_process_flow(runs_dir, resolved.tracking.tracking_uri) as log_path:
+        # Imported inside: importing the flows already makes libraries warn.
+        from flows.ablation import AblationSettings, rlhf_ablation
+        from tasks.remote import RemoteStages
 
-    settings = AblationSettings(
-        grid=str(grid),
-        only=list(variant or []),
-        base=base,
-        data=data,
-        sft=sft,
-        reward=reward,
-        judge=judge,
-        config=[str(path) for path in config or []],
-        overrides=list(set_ or []),
-        params_file=str(params),
-        runs_dir=str(runs_dir),
-        remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
-    )
-    plan = settings.plan()  # every variant validated before Prefect starts
-    typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
-    typer.echo(rlhf_ablation(settings).summary())
+        settings = AblationSettings(
+            grid=str(grid),
+            only=list(variant or []),
+            base=base,
+            data=data,
+            sft=sft,
+            reward=reward,
+            judge=judge,
+            config=[str(path) for path in config or []],
+            overrides=list(set_ or []),
+            params_file=str(params),
+            runs_dir=str(runs_dir),
+            remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
+        )
+        plan = settings.plan()  # every variant validated before Prefect starts
+        typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
+        summary = rlhf_ablation(settings).summary()
+    typer.echo(summary)
+    if log_path.exists():
+        typer.echo(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}")

@@ -6,9 +6,9 @@ MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_
 tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
 printing where the results are: run directory, data version, MLflow run, evaluation, registered versions.
 Before any work both commands check the services they will use (tasks/preflight.py) and stop within
-seconds, in one line, when one does not answer. The temporary server runs with Prefect's telemetry off,
-and other libraries' warnings and notices go to `runs/logs/rlhf-run-*.log` (rlhf_cli/library_logs.py),
-so a run that works prints its progress, a line per stage and the summary.
+seconds, in one line, when one does not answer; `rlhf run` also sets up the temporary server and sends
+other libraries' warnings and notices to `runs/logs/rlhf-run-*.log` (rlhf_cli/in_process.py), so a run
+that works prints its progress, a line per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
@@ -20,13 +20,12 @@ Flows (and with them Prefect, MLflow and torch) are imported inside the commands
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.library_logs import library_logs_to, run_log_path
+from rlhf_cli.in_process import in_process_flow
 from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
 
 DataOption = Annotated[
@@ -41,15 +40,6 @@ StageOption = Annotated[
         help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, evaluate, register.",
     ),
 ]
-# For the temporary Prefect server `rlhf run` starts when no PREFECT_API_URL is set (it inherits this
-# process's environment, and Prefect reads these when first imported, inside the command):
-# - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
-#   database ("database is locked", with a traceback): off;
-# - it gets 20 s to start by default, which a busy 2-core machine overran: 120 s.
-TEMPORARY_SERVER_SETTINGS = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-}
 LimitOption = Annotated[
     Optional[int], typer.Option("--limit", help="Most flow runs this process runs at once (default: no cap).")
 ]
@@ -64,13 +54,8 @@ def run(
     stage: StageOption = None,
 ) -> None:
     """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""
-    for name, value in TEMPORARY_SERVER_SETTINGS.items():  # unless the user set them
-        os.environ.setdefault(name, value)
-    from tasks.preflight import check_services, prefect_api_services, tracking_services
-
     resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    check_services([*prefect_api_services(), *tracking_services(resolved.tracking.tracking_uri, Path.cwd())])
-    with library_logs_to(run_log_path(runs_dir)) as log_path:
+    with in_process_flow(runs_dir, resolved.tracking.tracking_uri) as log_path:
         # Imported inside: importing the flows already makes libraries warn.
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 

@@ -1,37 +1,47 @@
-"""One training stage per machine at a time, through a Prefect global concurrency limit.
+"""One training stage per machine at a time: a Prefect global concurrency limit, or a file lock.
 
 Two pipeline runs on one machine (a scheduled retrain and a manual run, say) would otherwise train
-side by side, each at half speed and with twice the memory. Each training stage holds a slot of the
-limit `rlhf-training-<hostname>` while it trains; a second training stage waits for the slot. A
-cached stage does not train and takes no slot.
+side by side, each at half speed and with twice the memory. Each training stage holds a slot while it
+trains; a second training stage waits for it. A cached stage does not train and takes no slot.
 
-The limit is created with TRAINING_SLOTS slots the first time it is needed. An existing limit is left
-as it is, so that an operator can raise it (a machine with several GPUs) in the UI or with
-`prefect gcl update rlhf-training-<hostname> --limit N`.
+With a Prefect server (PREFECT_API_URL set, as under `rlhf serve` and on workers) the slot is one of
+the global concurrency limit `rlhf-training-<hostname>`, created with TRAINING_SLOTS slots the first
+time it is needed. An existing limit is left as it is, so that an operator can raise it (a machine
+with several GPUs) in the UI or with `prefect gcl update rlhf-training-<hostname> --limit N`. A slot is
+a lease that the holding process renews while it trains. A process that is killed cannot release its
+slot; the server takes it back once the lease runs out, LEASE_SECONDS (5 minutes; the environment
+variable RLHF_TRAINING_LEASE_SECONDS changes it, 60 at least) after the last renewal.
 
-A slot is a lease that the holding process renews while it trains. A process that is killed cannot
-release its slot; the Prefect server takes it back once the lease runs out, LEASE_SECONDS (5 minutes;
-the environment variable RLHF_TRAINING_LEASE_SECONDS changes it, 60 at least) after the last renewal.
-So a pipeline rerun straight after a kill waits up to that long before it trains.
+Without one (`rlhf run` and `rlhf ablate` on Prefect's temporary server) the slot is an exclusive
+`flock` on `<PREFECT_HOME>/<limit name>.lock`. The temporary server cannot hold the slot: it does not
+run Prefect's lease reaper (the repossessor is not among the services of an ephemeral server), so the
+slot of a run killed while it trained stayed taken in PREFECT_HOME's database for good and every later
+run waited forever. The kernel releases a `flock` when its holder dies, however it dies.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.logging import get_logger
+from prefect.settings import get_current_settings
 
 TRAINING_SLOTS = 1
 LIMIT_PREFIX = "rlhf-training"
 LEASE_SECONDS = 300.0
 LEASE_ENV = "RLHF_TRAINING_LEASE_SECONDS"
+
+logger = get_logger(__name__)
 
 
 def training_limit_name(hostname: str | None = None) -> str:
@@ -56,11 +66,36 @@ def ensure_training_limit(name: str, slots: int = TRAINING_SLOTS) -> None:
 
 @contextmanager
 def training_slot(name: str | None = None) -> Iterator[None]:
-    """Hold one slot of this machine's training limit for the duration of the block."""
+    """Hold one slot of this machine's training limit for the duration of the block (module docstring)."""
     limit = name or training_limit_name()
+    if get_current_settings().api.url is None:  # Prefect's temporary server
+        with training_lock(Path(get_current_settings().home) / f"{limit}.lock"):
+            yield
+        return
     ensure_training_limit(limit)
     with concurrency(limit, occupy=1, strict=True, lease_duration=lease_seconds()):
         yield
+
+
+@contextmanager
+def training_lock(path: Path) -> Iterator[None]:
+    """An exclusive `flock` on `path` for the block; says whom it waits for when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            logger.info("waiting for this machine's training slot, held by %s (%s)", holder, path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            handle.truncate(0)
+            handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def lease_seconds() -> float:

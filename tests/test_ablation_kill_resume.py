@@ -3,15 +3,17 @@
 A SIGKILL ends the flow run itself; the rerun is a new flow run with a new ablation directory. It must
 find the killed variant's unfinished PPO output through the variant's claim (tasks/resume.py, keyed like
 its cache), continue it from the newest checkpoint without repeating an iteration (the PPO stage checks
-checkpoints/run_inputs.json first), and then evaluate and compare it. The killed process held this
-machine's training slot, which the Prefect server takes back when its lease runs out (set to its
-60-second minimum here).
+checkpoints/run_inputs.json first), and then evaluate and compare it. Both runs use Prefect's
+temporary server, as `rlhf ablate` does without PREFECT_API_URL: the killed process held this machine's
+training slot, which must not keep the rerun waiting (tasks/concurrency.py). The rerun that works
+prints no traceback and no ERROR line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,14 +49,14 @@ def ablate_command(base: Path, runs_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path: Path, prefect_api: str, tokenizer) -> None:
+def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path: Path, tokenizer) -> None:
     (tmp_path / "base").mkdir()
     write_stage_inputs(tmp_path / "base")
     save_rm_output(tmp_path / "base" / "judge_reward", tokenizer, seed=2)
-    env = {
-        **os.environ,
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # one temporary server's database for both runs
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "RLHF_TRAINING_LEASE_SECONDS": "60",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
     }
@@ -66,6 +68,9 @@ def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path:
     rerun = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S)
 
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    terminal = rerun.stdout + rerun.stderr
+    assert "Traceback" not in terminal
+    assert [line for line in terminal.splitlines() if re.search(r"\bERROR\b", line)] == []
     lines = dict(line.split(": ", 1) for line in rerun.stdout.splitlines() if ": " in line)
     ablation_dir = Path(lines["ablation directory"])
     assert ablation_dir != ppo_dir.parent.parent  # a new flow run, with a directory of its own ...

@@ -3,9 +3,10 @@
 Prefect retries cover a stage that raises; a SIGKILL ends the flow run itself, and the rerun is a new
 flow run with a new run directory. The rerun must still find the killed run's unfinished PPO output
 (tasks/resume.py), continue it from the newest checkpoint without repeating an iteration, and reuse
-the finished SFT and reward-model outputs as cache hits. The killed process also held this machine's
-training slot, which the Prefect server takes back when its lease runs out (tasks/concurrency.py: the
-lease is set to its 60-second minimum here).
+the finished SFT and reward-model outputs as cache hits. Both runs use Prefect's temporary server, as
+`rlhf run` does without PREFECT_API_URL: the killed process held this machine's training slot, which
+must not keep the rerun waiting (a file lock the kernel releases, tasks/concurrency.py; before, the
+slot stayed taken in PREFECT_HOME's database and the rerun waited forever).
 """
 
 import json
@@ -47,14 +48,13 @@ def summary_lines(output: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in output.splitlines() if ": " in line and not line.startswith(" "))
 
 
-def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(
-    tmp_path: Path, prefect_api: str
-) -> None:
+def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(tmp_path: Path) -> None:
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
-    env = {
-        **os.environ,
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # one temporary server's database for both runs
+        "PYTHONPATH": str(REPO),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "RLHF_TRAINING_LEASE_SECONDS": "60",
     }
     ppo_dir = kill_at_first_checkpoint(run_command(data), tmp_path, env, tmp_path / "runs", "*/ppo", START_DEADLINE_S)
     checkpointed = [int(path.name.split("-")[1]) for path in complete_checkpoints(ppo_dir / "checkpoints")]

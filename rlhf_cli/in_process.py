@@ -1,0 +1,50 @@
+"""What `rlhf run` and `rlhf ablate` do around a flow they run in this process.
+
+Both run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
+Prefect starts a temporary server of its own, which inherits this process's environment and reads its
+settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
+1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
+2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
+3. sends other libraries' warnings and notices to a log file under the runs directory
+   (rlhf_cli/library_logs.py), so a flow that works prints its progress and its summary only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rlhf_cli.library_logs import library_logs_to, run_log_path
+
+# For the temporary Prefect server:
+# - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
+#   database ("database is locked", with a traceback): off;
+# - it gets 20 s to start by default, which a busy 2-core machine overran: 120 s.
+# (It cannot hold the machine's training slot either: tasks/concurrency.py says why, and what does.)
+TEMPORARY_SERVER_SETTINGS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
+
+
+def use_temporary_server_settings() -> None:
+    """Set each of TEMPORARY_SERVER_SETTINGS in this process's environment, unless it is set already."""
+    for name, value in TEMPORARY_SERVER_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
+@contextmanager
+def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
+    """Prepare, check and quieten a flow run in this process (module docstring); yields the log file's path.
+
+    `tracking_uri` is the resolved config's tracking.tracking_uri (None: MLFLOW_TRACKING_URI or the
+    working directory's default store).
+    """
+    use_temporary_server_settings()
+    from tasks.preflight import check_services, prefect_api_services, tracking_services
+
+    check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
+    with library_logs_to(run_log_path(runs_dir)) as log_path:
+        yield log_path

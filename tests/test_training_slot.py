@@ -1,0 +1,87 @@
+"""The machine's training slot without a Prefect server: an exclusive file lock (tasks/concurrency.py).
+
+With Prefect's temporary server the slot cannot be a global concurrency limit: that server does not
+reap the leases of killed holders, so one killed run kept every later run waiting forever. These tests
+check the lock itself; the kill-and-rerun tests (test_orchestration_kill_resume.py,
+test_ablation_kill_resume.py) check that a killed run's slot does not stop the rerun.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+from tasks import concurrency
+from tasks.concurrency import training_lock, training_slot
+
+WAIT_POLLS = 400  # of 50 ms: how long a test waits for the other thread before it fails instead of hanging
+
+
+def is_locked(path: Path) -> bool:
+    """Whether another open file description holds an exclusive flock on `path`."""
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def test_the_lock_is_held_inside_the_block_names_its_holder_and_is_free_after(tmp_path: Path) -> None:
+    path = tmp_path / "locks" / "rlhf-training-host.lock"
+    with training_lock(path):
+        assert is_locked(path)
+        assert path.read_text() == f"pid {os.getpid()} on host {os.uname().nodename}\n"
+    assert not is_locked(path)
+
+
+def test_the_lock_is_released_when_the_block_raises(tmp_path: Path) -> None:
+    path = tmp_path / "rlhf-training-host.lock"
+    with pytest.raises(RuntimeError), training_lock(path):
+        raise RuntimeError("training failed")
+    assert not is_locked(path)
+
+
+def test_a_second_holder_waits_for_the_first_and_says_whom_it_waits_for(tmp_path: Path) -> None:
+    path = tmp_path / "rlhf-training-host.lock"
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    level = concurrency.logger.level
+    concurrency.logger.addHandler(handler)
+    concurrency.logger.setLevel(logging.INFO)
+    order: list[str] = []
+    try:
+        with training_lock(path):
+            second = threading.Thread(target=lambda: _hold(path, order), daemon=True)
+            second.start()
+            for _ in range(WAIT_POLLS):  # until the second holder finds the lock taken and logs why it waits
+                if messages or not second.is_alive():
+                    break
+                second.join(timeout=0.05)
+            order.append("first released")
+        second.join(timeout=WAIT_POLLS * 0.05)
+    finally:
+        concurrency.logger.removeHandler(handler)
+        concurrency.logger.setLevel(level)
+    assert order == ["first released", "second acquired"]
+    assert messages == [f"waiting for this machine's training slot, held by pid {os.getpid()} on host {os.uname().nodename} ({path})"]
+
+
+def _hold(path: Path, order: list[str]) -> None:
+    with training_lock(path):
+        order.append("second acquired")
+
+
+def test_without_a_prefect_server_the_slot_is_the_lock_under_prefect_home(tmp_path: Path) -> None:
+    with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_HOME: str(tmp_path)}):
+        with training_slot("rlhf-training-test-host"):
+            assert is_locked(tmp_path / "rlhf-training-test-host.lock")
+    assert not is_locked(tmp_path / "rlhf-training-test-host.lock")
