@@ -81,42 +81,46 @@ def add_preference_file(
 
     The raw data on disk must be the version its .dvc file records: adding to a clone that has not run
     `dvc pull` would otherwise make a new version without the existing rows. Nothing is written when the
-    file is rejected. If `dvc add` fails the copied file is removed again, so the raw data still matches
-    its .dvc file; if only the push fails, the new version is complete locally and the error says how to
+    file is rejected, nor while another process adds to `raw_dir` (the output lock,
+    rlhf_core/output_lock.py: two merges at once would lose one or make one version of both). If `dvc
+    add` fails the copied file is removed again, so the raw data still matches its .dvc file; if only
+    the push fails, the new version is complete locally and the error says how to
     push it. With `push`, the DVC remote and the Prefect API are checked before anything else, and a
     pushed version is announced by the `rlhf.data.pushed` event (when a Prefect API is configured).
     """
     from rlhf_core.data.versioning import check_new_file, merge_into_raw
     from rlhf_core.models.base import load_base_tokenizer
+    from rlhf_core.output_lock import output_lock
     from rlhf_core.stages.prepare_data import chat_token_lengths
 
     if push:
         check_services([*dvc_remote_services(nearest_existing(raw_dir), remote), *prefect_api_services()])
-    tracked = dvc_file(raw_dir)
-    if tracked.is_file() and not workspace_matches(raw_dir):
-        raise RawDataMismatchError(
-            f"{raw_dir} is not the data version {tracked} records: run `dvc pull {tracked}` first "
-            f"(or `dvc add {raw_dir}` to make your edits a version), then add the file"
-        )
-    token_length = chat_token_lengths(load_base_tokenizer(config.model))
-    report = check_new_file(file, raw_dir, config.data, token_length)
-    merged = merge_into_raw(file, raw_dir)
-    try:
-        version = dvc_add(raw_dir)
-    except DvcError:
-        merged.unlink()
-        raise
-    if push:
+    with output_lock(raw_dir, "data add"):  # a second `rlhf data add` on this data fails at once
+        tracked = dvc_file(raw_dir)
+        if tracked.is_file() and not workspace_matches(raw_dir):
+            raise RawDataMismatchError(
+                f"{raw_dir} is not the data version {tracked} records: run `dvc pull {tracked}` first "
+                f"(or `dvc add {raw_dir}` to make your edits a version), then add the file"
+            )
+        token_length = chat_token_lengths(load_base_tokenizer(config.model))
+        report = check_new_file(file, raw_dir, config.data, token_length)
+        merged = merge_into_raw(file, raw_dir)
         try:
-            dvc_push(raw_dir, remote)
-        except DvcError as error:
-            remote_option = "" if remote is None else f"-r {remote} "
-            raise DvcError(
-                f"data version {version} is in the local DVC cache but was not pushed; "
-                f"retry with `dvc push {remote_option}{tracked}`. {error}"
-            ) from error
-    event_api = emit_data_pushed(raw_dir, version, remote) if push else None
-    return AddResult(report=report, path=merged, version=version, pushed=push, remote=remote, event_api=event_api)
+            version = dvc_add(raw_dir)
+        except DvcError:
+            merged.unlink()
+            raise
+        if push:
+            try:
+                dvc_push(raw_dir, remote)
+            except DvcError as error:
+                remote_option = "" if remote is None else f"-r {remote} "
+                raise DvcError(
+                    f"data version {version} is in the local DVC cache but was not pushed; "
+                    f"retry with `dvc push {remote_option}{tracked}`. {error}"
+                ) from error
+        event_api = emit_data_pushed(raw_dir, version, remote) if push else None
+        return AddResult(report=report, path=merged, version=version, pushed=push, remote=remote, event_api=event_api)
 
 
 def nearest_existing(path: Path) -> Path:

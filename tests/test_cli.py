@@ -109,7 +109,7 @@ def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_
         "first dropped rows: identical_replies: bad.jsonl line 4 (chosen and rejected replies are identical), "
         "bad.jsonl line 5 (chosen and rejected replies are identical), bad.jsonl line 6 (chosen and rejected "
         "replies are identical); missing_field: bad.jsonl line 3 (row has none of the fields "
-        "prompt/chosen/rejected (keys: ['question'])); wrong_type: bad.jsonl line 2 (field 'chosen' is a int, "
+        "prompt/chosen/rejected (keys: ['question'])); wrong_type: bad.jsonl line 2 (field 'chosen' is a number, "
         "expected a string)"
     ) in line
     failed = tmp_path / "prepared.failed_report.json"

@@ -175,3 +175,13 @@ def test_prompt_id_ignores_whitespace_and_case_but_not_roles() -> None:
     assert c.prompt_id == reference_prompt_id([("system", "how do i bake bread?"), ("user", "ok")])
     assert a.pair_id != b.pair_id  # different rejected reply: a different judgement
     assert a.pair_id == parse({"prompt": "HOW do I bake bread?", "chosen": "x", "rejected": "y"}).pair_id
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [(3, "a number"), (2.5, "a number"), (True, "a boolean"), ({"text": "a"}, "an object")],
+)
+def test_a_wrong_type_is_named_as_json_names_it(value: object, named: str) -> None:
+    drop = parse_row({"prompt": "p", "chosen": "a", "rejected": value}, "in.jsonl", 1)
+    assert isinstance(drop, Drop) and drop.reason is DropReason.WRONG_TYPE
+    assert drop.detail == f"field 'rejected' is {named}, expected a string or a list of messages"

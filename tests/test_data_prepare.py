@@ -300,7 +300,7 @@ def test_a_refused_input_leaves_its_report_beside_the_untouched_previous_output(
     failed = failed_report_path(out_dir)
     assert failed == tmp_path / "prepared.failed_report.json"
     assert str(raised.value).endswith(f"every drop is in {failed}")
-    assert "wrong_type: bad.jsonl line 1 (field 'prompt' is a int, expected a string or a list of messages)" in str(
+    assert "wrong_type: bad.jsonl line 1 (field 'prompt' is a number, expected a string or a list of messages)" in str(
         raised.value
     )
     report = FailedDataReport.model_validate_json(failed.read_text())

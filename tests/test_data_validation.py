@@ -79,11 +79,11 @@ def test_the_failure_names_the_first_rows_of_each_reason_with_their_field() -> N
     log = DropLog()
     for line in (3, 8, 9, 12):
         log.add(Drop(DropReason.MISSING_FIELD, "missing field 'chosen'", "in.jsonl", line))
-    log.add(Drop(DropReason.WRONG_TYPE, "field 'rejected' is a int, expected a string", "in.jsonl", 5))
+    log.add(Drop(DropReason.WRONG_TYPE, "field 'rejected' is a number, expected a string", "in.jsonl", 5))
     with pytest.raises(DataValidationError) as error:
         check_drop_fraction(kept=1, drops=log, sources=["in.jsonl"], max_drop_fraction=0.5)
     assert str(error.value).endswith(
         "drops by reason: missing_field=4, wrong_type=1; first dropped rows: missing_field: in.jsonl line 3 "
         "(missing field 'chosen'), in.jsonl line 8 (missing field 'chosen'), in.jsonl line 9 (missing field "
-        "'chosen'); wrong_type: in.jsonl line 5 (field 'rejected' is a int, expected a string)"
+        "'chosen'); wrong_type: in.jsonl line 5 (field 'rejected' is a number, expected a string)"
     )

@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 
 from rlhf_cli.data_commands import RawDataMismatchError, data_app
 from rlhf_core.data.validation import DataValidationError
+from rlhf_core.output_lock import OutputLockedError, output_lock
 from tasks.dvc_data import (
     DvcError,
     data_version,
@@ -251,6 +252,21 @@ def test_the_default_remote_is_a_directory_in_the_user_cache(tmp_path: Path, mon
 
     (raw / "pairs.jsonl").write_text("edited\n")
     assert not workspace_matches(raw)
+
+
+def test_a_second_add_while_one_is_adding_fails_at_once_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = make_project_repo(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
+
+    with output_lock(repo / "data/raw", "data add"):  # another `rlhf data add` in the middle of its merge
+        result = rlhf_data("add", str(new), "--config", "configs/tiny.yaml")
+
+    assert isinstance(result.exception, OutputLockedError)
+    assert f"pid {os.getpid()}" in str(result.exception) and "data add" in str(result.exception)
+    assert not (repo / "data/raw").exists() and not (repo / "data/raw.dvc").exists()
 
 
 def test_a_failed_dvc_add_takes_the_copied_file_out_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

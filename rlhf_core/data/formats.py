@@ -133,6 +133,19 @@ def _split_reply(messages: Sequence[Message], field: str) -> tuple[tuple[Message
     return tuple(messages[:-1]), last["content"]
 
 
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, as the file's author wrote it ("a number", not "a int")."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
 def _required(row: Mapping[str, object], field: str) -> object:
     value = row.get(field)
     if value is None:
@@ -144,7 +157,7 @@ def _required_str(row: Mapping[str, object], field: str) -> str:
     value = _required(row, field)
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.WRONG_TYPE, f"field '{field}' is a {type(value).__name__}, expected a string"
+            DropReason.WRONG_TYPE, f"field '{field}' is {json_type(value)}, expected a string"
         )
     return value
 
@@ -193,7 +206,7 @@ def _prompt_messages(value: object) -> tuple[Message, ...]:
     if not isinstance(value, str):
         raise _RowRejected(
             DropReason.WRONG_TYPE,
-            f"field 'prompt' is a {type(value).__name__}, expected a string or a list of messages",
+            f"field 'prompt' is {json_type(value)}, expected a string or a list of messages",
         )
     if not value.startswith(("Human:", "\n\nHuman:")):
         return (Message(role="user", content=value.strip()),)
@@ -211,7 +224,7 @@ def _reply_field(row: Mapping[str, object], field: str) -> tuple[tuple[Message, 
     if not isinstance(value, str):
         raise _RowRejected(
             DropReason.WRONG_TYPE,
-            f"field '{field}' is a {type(value).__name__}, expected a string or a list of messages",
+            f"field '{field}' is {json_type(value)}, expected a string or a list of messages",
         )
     if not value.strip():
         raise _RowRejected(DropReason.EMPTY_REPLY, f"{field}: the reply is empty")
