@@ -137,7 +137,7 @@ def score_pairs(
     out: OutOption = None,
 ) -> None:
     """Score every pair of a file with a trained reward model; print accuracy and its 95% interval."""
-    from rlhf_core.stages.reward import score_pair_file
+    from rlhf_core.stages.score_pairs import score_pair_file
 
     resolved = resolve_config(params, config, set_)
     result = score_pair_file(resolved, model, data, out)

@@ -23,7 +23,7 @@ from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock
 from rlhf_core.stages.evaluate import run_evaluate
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.stages.reward import score_pair_file
+from rlhf_core.stages.score_pairs import score_pair_file
 from rlhf_core.stages.sft import run_sft
 from rlhf_core.training.checkpoint import complete_checkpoints
 

@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.stages.reward import score_pair_file
+from rlhf_core.stages.score_pairs import score_pair_file
 from rlhf_core.stages.sft import run_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")

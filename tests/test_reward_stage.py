@@ -15,7 +15,8 @@ from rlhf_core.config import Config
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.stages.reward import run_train_rm, score_pair_file
+from rlhf_core.stages.reward import run_train_rm
+from rlhf_core.stages.score_pairs import score_pair_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
