@@ -57,7 +57,7 @@ def ablate(
 ) -> None:
     """Run PPO once per variant of a grid on one base, evaluate each against SFT, and compare them."""
     resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    with in_process_flow(runs_dir, resolved.tracking.tracking_uri) as log_path:
+    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
         # Imported inside: importing the flows already makes libraries warn.
         from flows.ablation import AblationSettings, rlhf_ablation
         from tasks.remote import RemoteStages
@@ -78,7 +78,4 @@ def ablate(
         )
         plan = settings.plan()  # every variant validated before Prefect starts
         typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
-        summary = rlhf_ablation(settings).summary()
-    typer.echo(summary)
-    if log_path.exists():
-        typer.echo(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}")
+        typer.echo(rlhf_ablation(settings).summary())

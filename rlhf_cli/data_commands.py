@@ -84,8 +84,7 @@ def add_preference_file(
     file is rejected, nor while another process adds to `raw_dir` (the output lock,
     rlhf_core/output_lock.py: two merges at once would lose one or make one version of both). If `dvc
     add` fails the copied file is removed again, so the raw data still matches its .dvc file; if only
-    the push fails, the new version is complete locally and the error says how to
-    push it. With `push`, the DVC remote and the Prefect API are checked before anything else, and a
+    the push fails, the new version is complete locally and the error says how to push it. With `push`, the DVC remote and the Prefect API are checked before anything else, and a
     pushed version is announced by the `rlhf.data.pushed` event (when a Prefect API is configured).
     """
     from rlhf_core.data.versioning import check_new_file, merge_into_raw

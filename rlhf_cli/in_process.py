@@ -6,7 +6,8 @@ settings when Prefect is first imported (inside the command). `in_process_flow` 
 1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
 3. sends other libraries' warnings and notices to a log file under the runs directory
-   (rlhf_cli/library_logs.py), so a flow that works prints its progress and its summary only.
+   (rlhf_cli/library_logs.py), so a flow that works prints its progress and its summary only, and
+   then the log file's name.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def use_temporary_server_settings() -> None:
 def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     """Prepare, check and quieten a flow run in this process (module docstring); yields the log file's path.
 
+    The block should print its summary inside the `with`, so that the log file's line comes after it.
+
     `tracking_uri` is the resolved config's tracking.tracking_uri (None: MLFLOW_TRACKING_URI or the
     working directory's default store).
     """
@@ -48,3 +51,5 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
     with library_logs_to(run_log_path(runs_dir)) as log_path:
         yield log_path
+    if log_path.exists():  # after a flow that worked; a failure's traceback comes first instead
+        print(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}", flush=True)

@@ -55,7 +55,7 @@ def run(
 ) -> None:
     """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""
     resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    with in_process_flow(runs_dir, resolved.tracking.tracking_uri) as log_path:
+    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
         # Imported inside: importing the flows already makes libraries warn.
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 
@@ -67,10 +67,7 @@ def run(
             params_file=str(params),
             runs_dir=str(runs_dir),
         )
-        result = rlhf_pipeline(settings)
-    typer.echo(result.summary())
-    if log_path.exists():
-        typer.echo(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}")
+        typer.echo(rlhf_pipeline(settings).summary())
 
 
 def serve(limit: LimitOption = None) -> None:

@@ -172,8 +172,8 @@ def run_documented(session: Session, doc: str, command: str) -> None:
     report(session.outcomes[-1])
 
 
-def start_background(session: Session, doc: str, command: str, ready_url: str | None) -> None:
-    """Start a documented server command and wait until it answers (or, without a URL, stays up 20 s)."""
+def start_background(session: Session, doc: str, command: str, ready_url: str) -> None:
+    """Start a documented server command and wait until `ready_url` answers, SERVER_TIMEOUT_S at most."""
     started = time.monotonic()
     log = open(session.project.parent / f"server-{len(session.servers)}.log", "w")
     process = subprocess.Popen(
@@ -182,19 +182,13 @@ def start_background(session: Session, doc: str, command: str, ready_url: str | 
     )
     session.servers.append(process)
     session.started.add(command)
-    ok = wait_until(lambda: process.poll() is None and (ready_url is None or answers(ready_url)), ready_url)
+    deadline = time.monotonic() + SERVER_TIMEOUT_S
+    while process.poll() is None and not answers(ready_url) and time.monotonic() < deadline:
+        time.sleep(1)
+    ok = process.poll() is None and answers(ready_url)
     detail = "" if ok else Path(log.name).read_text()[-1500:]
     session.outcomes.append(Outcome(doc, command + " &", ok, time.monotonic() - started, detail))
     report(session.outcomes[-1])
-
-
-def wait_until(ready, ready_url: str | None) -> bool:
-    deadline = time.monotonic() + (SERVER_TIMEOUT_S if ready_url else 20)
-    while time.monotonic() < deadline:
-        if ready_url and ready():
-            return True
-        time.sleep(1)
-    return ready() if ready_url is None else False
 
 
 def answers(url: str) -> bool:
@@ -237,11 +231,9 @@ def skip_reason(command: str) -> str | None:
     return next((reason for prefix, reason in SKIPPED.items() if command.startswith(prefix)), None)
 
 
-def background_url(command: str) -> tuple[bool, str | None]:
-    for prefix, url in BACKGROUND.items():
-        if command.startswith(prefix):
-            return True, url
-    return False, None
+def server_ready_url(command: str) -> str | None:
+    """The URL that answers once the server `command` starts is up; None: not a server command."""
+    return next((url for prefix, url in BACKGROUND.items() if command.startswith(prefix)), None)
 
 
 def run_doc(session: Session, doc: str) -> None:
@@ -256,8 +248,8 @@ def run_doc(session: Session, doc: str) -> None:
             note(session, doc, command, "run once, after `prefect server start` (README, Prefect UI)")
         elif NEEDS_CHAMPION in command and not session.promoted:
             deferred.append(command)
-        elif (server := background_url(command))[0]:
-            start_background(session, doc, command, server[1])
+        elif (url := server_ready_url(command)) is not None:
+            start_background(session, doc, command, url)
         else:
             run_documented(session, doc, command)
         if command == "rlhf serve" and command in session.started and not session.promoted:
