@@ -10,8 +10,14 @@ by a `prefect worker start` subprocess in its own temporary directory (the flow 
 directories), a real Prefect server, an MLflow server and the S3 store. The tiny pipeline runs up to the
 reward model with SFT remote: SFT runs on the GPU pool's worker, the reward model in the pipeline's own
 flow run on the downloaded SFT model.
+
+The ablation scenario then runs the `rlhf-ablation` deployment on the CPU pool with that pipeline run as
+its base and `remote.stages: [ppo]`: each variant of configs/ablations/tiny.yaml trains as a flow run of
+`rlhf-stage` on the GPU pool, and is evaluated and compared on the CPU pool; a second run of the same
+ablation starts no stage run (the remote variants are cached like local ones).
 """
 
+import json
 import os
 import sys
 import time
@@ -36,9 +42,12 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.workers.process import ProcessWorker
 from pydantic import ValidationError
 
+from flows.ablation import ABLATIONS_SUBDIR, COMPARISON_DIR, FLOW_TAG, rlhf_ablation
 from flows.deployments import CPU_POOL, DEPLOYMENTS, GPU_POOL
 from flows.pipeline import PipelineSettings, rlhf_pipeline
+from rlhf_core.ablation.report import COMPARISON_JSON
 from rlhf_core.config import load_config
+from tasks.ablation import VARIANT_TAG
 from tasks.lineage import FLOW_RUN_ID_TAG
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
 from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
@@ -61,6 +70,10 @@ REPO = Path(__file__).resolve().parents[1]
 TRANSFER_BUCKET = "rlhf-transfer-test"
 HANDOVER_BUCKET = "rlhf-handover"
 PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
+ABLATION_DEPLOYMENT_NAME = "gpu-pool-test"
+ABLATION_STORE = f"s3://{HANDOVER_BUCKET}/ablation-store"
+TINY_GRID = REPO / "configs" / "ablations" / "tiny.yaml"
+VARIANTS = ("vanilla", "ppo_max")  # TINY_GRID's
 WORKER_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
 
@@ -207,6 +220,8 @@ class Scenario:
     gpu_dir: Path
     s3: BaseClient
     tracking_uri: str
+    prefect_api: str
+    stage_deployment_id: UUID
 
 
 def create_process_pool(name: str) -> None:
@@ -306,6 +321,8 @@ def scenario(
             gpu_dir=gpu_dir,
             s3=s3_server.client(),
             tracking_uri=mlflow_server,
+            prefect_api=prefect_server,
+            stage_deployment_id=stage_deployment_id,
         )
     finally:
         for worker in workers:
@@ -418,3 +435,145 @@ def test_failed_remote_stage_fails_the_task_with_its_error(
     with pytest.raises(RemoteStageError, match=r"ended Failed: .*CorruptOutputError"):
         remote_stage_task("sft", config, context, remote, data=data)  # a task run outside any flow
     assert not (tmp_path / "run" / "sft").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# an ablation on rlhf-cpu whose variants train on rlhf-gpu
+
+
+@dataclass
+class AblationRound:
+    flow_run: FlowRun
+    stage_runs: list[FlowRun]  # the rlhf-stage flow runs started from this ablation's flow run
+    task_states: dict[str, str]  # task run name ("ppo[vanilla]", ...) -> state name
+    parent: object  # the ablation's MLflow parent run
+
+
+@dataclass
+class AblationScenario:
+    first: AblationRound
+    again: AblationRound
+
+
+def stage_runs_of(client, stage_deployment_id: UUID, parent_flow_run_id: UUID) -> list[FlowRun]:
+    """The `rlhf-stage` flow runs whose parent task run belongs to the flow run `parent_flow_run_id`."""
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[stage_deployment_id])))
+    return [run for run in runs if client.read_task_run(run.parent_task_run_id).flow_run_id == parent_flow_run_id]
+
+
+def ablation_parent_run(tracking_uri: str, flow_run_id: UUID):
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("rlhf-pipeline")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{FLOW_RUN_ID_TAG}` = '{flow_run_id}' and tags.`{FLOW_TAG}` = 'rlhf-ablation'",
+    )
+    return parent
+
+
+def run_ablation_deployment(scenario: Scenario, settings: dict) -> AblationRound:
+    flow_run = run_deployment(
+        f"{rlhf_ablation.name}/{ABLATION_DEPLOYMENT_NAME}", parameters={"settings": settings}, timeout=FLOW_RUN_TIMEOUT_S
+    )
+    assert flow_run.state.is_completed(), f"{flow_run.state.message}\n{worker_logs(scenario)}"
+    with get_client(sync_client=True) as client:
+        stage_runs = stage_runs_of(client, scenario.stage_deployment_id, flow_run.id)
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    return AblationRound(
+        flow_run=flow_run,
+        stage_runs=stage_runs,
+        task_states={run.name: run.state.name for run in task_runs},
+        parent=ablation_parent_run(scenario.tracking_uri, flow_run.id),
+    )
+
+
+@pytest.fixture(scope="module")
+def ablation(scenario: Scenario) -> AblationScenario:
+    base = Path(parent_run(scenario).data.tags["stage.sft.out_dir"]).parent  # the pipeline's run directory
+    settings = {
+        "grid": str(TINY_GRID),
+        "config": [str(REPO / "configs" / "tiny.yaml")],
+        "params_file": str(REPO / "params.yaml"),
+        "base": str(base),
+        "remote": {"stages": ["ppo"], "store": ABLATION_STORE},
+    }
+    with temporary_settings(updates={PREFECT_API_URL: scenario.prefect_api}):
+        rlhf_ablation.to_deployment(
+            name=ABLATION_DEPLOYMENT_NAME,
+            work_pool_name=CPU_POOL,
+            job_variables={"working_dir": str(scenario.cpu_dir)},
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        ).apply()
+        return AblationScenario(
+            first=run_ablation_deployment(scenario, settings), again=run_ablation_deployment(scenario, settings)
+        )
+
+
+@pytest.mark.slow
+def test_ablation_on_the_cpu_pool_trains_every_variant_on_the_gpu_pool_at_once(ablation: AblationScenario) -> None:
+    first = ablation.first
+    assert first.flow_run.work_pool_name == CPU_POOL
+    ablation_dir = Path(first.parent.data.tags[f"variant.{VARIANTS[0]}.ppo.out_dir"]).parents[1]
+    assert sorted(run.name for run in first.stage_runs) == sorted(f"ppo-{ablation_dir.name}-{name}" for name in VARIANTS)
+    for run in first.stage_runs:
+        assert run.state.is_completed() and run.work_pool_name == GPU_POOL
+        assert run.parameters["request"]["stage"] == "ppo"
+    # Started together: each variant's flow run was created before the other one ended.
+    one, other = first.stage_runs
+    assert one.created < other.end_time and other.created < one.end_time
+    assert {first.task_states.get(f"{kind}[{name}]") for kind in ("ppo", "evaluate") for name in VARIANTS} == {"Completed"}
+
+
+@pytest.mark.slow
+def test_ablation_variants_come_back_by_uri_and_the_base_is_uploaded_once(
+    scenario: Scenario, ablation: AblationScenario
+) -> None:
+    tags = ablation.first.parent.data.tags
+    ablation_dir = Path(tags[f"variant.{VARIANTS[0]}.ppo.out_dir"]).parents[1]
+    assert ablation_dir.parent == scenario.cpu_dir / "runs" / ABLATIONS_SUBDIR
+    bucket_prefix = ABLATION_STORE.removeprefix(f"s3://{HANDOVER_BUCKET}/") + f"/{ABLATIONS_SUBDIR}/{ablation_dir.name}/"
+    keys = set(list_keys(scenario.s3, HANDOVER_BUCKET, bucket_prefix))
+    uploaded = {key.removeprefix(bucket_prefix) for key in keys if key.endswith(COMPLETE_MARKER)}
+    assert uploaded == {f"base/{stage}/{COMPLETE_MARKER}" for stage in ("data", "sft", "reward")} | {
+        f"{name}/ppo/{COMPLETE_MARKER}" for name in VARIANTS
+    }
+    for name in VARIANTS:
+        local = Path(tags[f"variant.{name}.ppo.out_dir"])
+        assert local == ablation_dir / name / "ppo" and not (local / "checkpoints").exists()
+        stored = read_stored(f"{ABLATION_STORE}/{ABLATIONS_SUBDIR}/{ablation_dir.name}/{name}/ppo", scenario.s3)
+        assert output_sha256(local, local / "model") == stored.sha256 == tags[f"variant.{name}.ppo.sha256"]
+        # evaluated on the CPU pool against the base's SFT model, from the downloaded policy
+        assert Path(tags[f"variant.{name}.eval.out_dir"]).is_relative_to(scenario.cpu_dir)
+    trained = {path.parent for path in (scenario.gpu_dir / "runs").glob(f"*/ppo/{COMPLETE_MARKER}")}
+    assert len(trained) == len(VARIANTS) and all((path / "checkpoints").is_dir() for path in trained)
+    assert not list((scenario.gpu_dir / "runs").glob("*/evaluate"))
+
+
+@pytest.mark.slow
+def test_ablation_variant_runs_nest_under_the_ablation_and_the_comparison_holds_their_metrics(
+    scenario: Scenario, ablation: AblationScenario
+) -> None:
+    client = MlflowClient(scenario.tracking_uri)
+    parent = ablation.first.parent
+    stage_run_ids = {run.name.rsplit("-", 1)[1]: str(run.id) for run in ablation.first.stage_runs}
+    ablation_dir = Path(parent.data.tags[f"variant.{VARIANTS[0]}.ppo.out_dir"]).parents[1]
+    comparison = json.loads((ablation_dir / COMPARISON_DIR / COMPARISON_JSON).read_text())
+    rows = {row["variant"]: row for row in comparison["rows"]}
+    for name in VARIANTS:
+        run = client.get_run(parent.data.tags[f"variant.{name}.ppo.run_id"])
+        assert run.data.tags[PARENT_RUN_TAG] == parent.info.run_id and run.data.tags[VARIANT_TAG] == name
+        assert run.info.run_name == name and run.info.status == "FINISHED"
+        assert run.data.tags[REMOTE_FLOW_RUN_TAG] == stage_run_ids[name]
+        assert run.data.tags[OUTPUT_URI_TAG] == parent.data.tags[f"stage.ppo.{name}.uri"]
+        ppo = json.loads((ablation_dir / name / "ppo" / COMPLETE_MARKER).read_text())
+        judged = json.loads((Path(parent.data.tags[f"variant.{name}.eval.out_dir"]) / COMPLETE_MARKER).read_text())
+        assert rows[name]["final_kl"] == ppo["last/kl/token_k3"] and rows[name]["ppo_minutes"] == ppo["wall_time_s"] / 60
+        assert rows[name]["judge_win_minus_lose"]["mean"] == judged["win_minus_loss"]
+
+
+@pytest.mark.slow
+def test_ablation_rerun_starts_no_stage_run(ablation: AblationScenario) -> None:
+    again = ablation.again
+    assert again.stage_runs == []
+    assert {again.task_states.get(f"ppo[{name}]") for name in VARIANTS} == {"Cached"}
+    assert {again.parent.data.tags[f"variant.{name}.state"] for name in VARIANTS} == {"cached"}
