@@ -24,6 +24,7 @@ from rlhf_core.distributed.context import RankContext
 from rlhf_core.ppo.guard import check_finite
 from rlhf_core.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from rlhf_core.training.schedules import build_scheduler
+from rlhf_core.training.update import adamw
 
 ModelName = Literal["policy", "critic"]
 
@@ -57,7 +58,7 @@ def build_ppo_optimizer(policy: nn.Module, critic: nn.Module, config: PPOConfig)
         {"params": _trainable(policy), "lr": config.policy_lr, "name": "policy"},
         {"params": _trainable(critic), "lr": config.critic_lr, "name": "critic"},
     ]
-    return AdamW(groups, weight_decay=0.0)
+    return adamw(groups, weight_decay=0.0)
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:

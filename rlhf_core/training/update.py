@@ -25,6 +25,8 @@ from torch.optim import AdamW
 from rlhf_core.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from rlhf_core.training.schedules import ScheduleName, build_scheduler
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
 
 class NonFiniteLossError(RuntimeError):
     """A loss or the gradient norm was NaN or inf; raised before the optimizer stepped (weights intact)."""
@@ -83,11 +85,24 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [group for group in groups if group["params"]]
 
 
+def adamw(groups: list[dict[str, Any]], **hyperparameters: Any) -> AdamW:
+    """torch's AdamW, with its fused kernel where every parameter allows it (floating point, CPU or CUDA).
+
+    The fused kernel makes one pass over each parameter and its two moments; the default on CPU is a
+    loop of about ten elementwise ops per tensor. Same update up to float rounding (2e-7 over 50 steps),
+    about 9x faster on this project's CPU (docs/rollout-engine.md, "Training"). A checkpoint saved by
+    either kind resumes with the kind it was saved with (the saved parameter groups carry the flag).
+    """
+    parameters = [p for group in groups for p in group["params"]]
+    fused = all(p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in parameters)
+    return AdamW(groups, fused=fused, **hyperparameters)
+
+
 def build_adamw(
     model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
 ) -> AdamW:
     """AdamW over `parameter_groups(model, weight_decay)`."""
-    return AdamW(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    return adamw(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
 
 
 class LocalUpdate:
