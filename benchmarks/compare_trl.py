@@ -12,7 +12,8 @@ seconds). Prints both resolved configurations side by side, the figures with the
 and issue 17's targets (samples/s at least 4x TRL's on the tiny model and 2.5x on SmolLM2, at no
 more peak memory). `--baseline-engine hf` also runs ours with that rollout engine in every round
 (before TRL) and checks the generation target: generation time per iteration at most half the
-baseline's. Reports go to `--out` (default benchmarks/results/, git-ignored): `ours-<round>.json`,
+baseline's. TRL runs with ours' C allocator settings (`--trl-host-allocator mirror`, the default; see
+ppo_throughput.py `--host-allocator`). Reports go to `--out` (default benchmarks/results/, git-ignored): `ours-<round>.json`,
 `baseline-<round>.json`, `trl-<round>.json` and `comparison.json`.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--baseline-engine", choices=["hf", "lean"], help="also run ours with this ppo.rollout.engine each round"
     )
+    parser.add_argument(
+        "--trl-host-allocator", choices=["mirror", "default"], default="mirror",
+        help="mirror: TRL runs with ours' C allocator settings (glibc malloc variables); default: with the C library's own",
+    )  # fmt: skip
     args = parser.parse_args(own)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -70,10 +76,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, ours
 
 
-def run(command: list[str]) -> None:
-    """Run one benchmark process, its output shown as it comes; fail loudly if it fails."""
-    print("$ " + " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+def run(command: list[str], environment: dict[str, str] | None = None) -> None:
+    """Run one benchmark process (with `environment` added to ours), its output shown as it comes;
+    fail loudly if it fails."""
+    shown = " ".join(f"{name}={value}" for name, value in (environment or {}).items())
+    print("$ " + " ".join([shown, *command] if shown else command), flush=True)
+    subprocess.run(command, check=True, env={**os.environ, **(environment or {})})
+
+
+def trl_environment(ours_settings: dict[str, Any], mirror: bool) -> dict[str, str]:
+    """glibc's malloc variables for TRL's process: ours' (`host_allocator`) when mirrored and tuned."""
+    allocator = ours_settings["host_allocator"]
+    return dict(allocator) if mirror and isinstance(allocator, dict) else {}
 
 
 def figure(report: dict[str, Any], path: tuple[str, ...]) -> float:
@@ -158,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = ours_report["flops"]["peak_tflops"]
         run(
             [str(args.trl_python), str(HERE / "trl_ppo_throughput.py"), "--settings", str(ours_json),
-             "--json", str(trl_json), *(["--peak-tflops", str(peak)] if peak else [])]
+             "--json", str(trl_json), *(["--peak-tflops", str(peak)] if peak else [])],
+            trl_environment(ours_report["settings"], args.trl_host_allocator == "mirror"),
         )  # fmt: skip
         ours_reports.append(ours_report)
         trl_reports.append(json.loads(trl_json.read_text(encoding="utf-8")))

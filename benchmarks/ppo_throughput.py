@@ -65,6 +65,7 @@ from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.rollout import RewardModelScorer, left_pad
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+from rlhf_core.training.host_allocator import keep_freed_memory, tuned_environment
 from rlhf_core.training.loop import seed_everything
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only; ignored on CPU)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--host-allocator", choices=["tuned", "default"], default="tuned",
+        help="tuned: glibc keeps freed memory, as every training stage sets it "
+        "(rlhf_core/training/host_allocator.py); default: the C library's own",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, help="seed (default: the config's)")
     parser.add_argument(
         "--data",
@@ -178,6 +184,7 @@ def benchmark_settings(
     tokenizer: PreTrainedTokenizerBase,
     device: torch.device,
     prompts: int,
+    allocator_tuned: bool,
 ) -> dict[str, Any]:
     """What the run did, in the terms both implementations share; TRL's side mirrors these."""
     ppo = config.ppo
@@ -192,6 +199,7 @@ def benchmark_settings(
         "device": device.type,
         "bf16": bool(config.distributed.bf16 and device.type == "cuda"),
         "torch_threads": torch.get_num_threads(),
+        "host_allocator": tuned_environment() if allocator_tuned else "default",
         "batch_size": ppo.rollout_batch_size,
         "mini_batch_size": ppo.mini_batch_size,
         "micro_batch_size": ppo.micro_batch_size,
@@ -322,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator_tuned = args.host_allocator == "tuned" and keep_freed_memory()
     config = resolve_config(args)
     device = torch.device(args.device)
     ppo = config.ppo
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parameters = sum(p.numel() for p in models.policy.parameters())
     report = throughput_report(
         implementation="rlhf_core",
-        settings=benchmark_settings(config, args, models.policy, tokenizer, device, len(prompts)),
+        settings=benchmark_settings(config, args, models.policy, tokenizer, device, len(prompts), allocator_tuned),
         resolved_config={"ppo": ppo.model_dump(mode="json"), "model": config.model.model_dump(mode="json")},
         workload=Workload(
             batch_size=ppo.rollout_batch_size,

@@ -24,6 +24,9 @@ It reads the `settings` block of our report and mirrors it:
   whole batch, so it takes one optimizer step per epoch where ours takes one per mini-batch (B / M).
   TRL generates and scores `local_rollout_forward_batch_size` rows at a time, set to B (its default,
   64, covers any batch up to 64): one generate call per batch, as ours;
+- the same C allocator settings: when ours had glibc keep freed memory (`host_allocator` in its
+  settings; rlhf_core/training/host_allocator.py), compare_trl.py starts this script with the same
+  settings as glibc's environment variables, and the report says what this process ran with;
 - the same PPO constants (temperature, KL coefficient with the k1 estimator, clip ranges, GAE);
   TRL's defaults that would change the work are switched to ours: `gradient_checkpointing=False`,
   `bf16` only with `settings.bf16` (CUDA), no sample generations, no checkpoints, no reporting.
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -306,6 +310,12 @@ class IterationClock(TrainerCallback):
         self.cpu_ended = time.process_time()
 
 
+def glibc_allocator_environment() -> dict[str, str] | str:
+    """glibc's malloc variables this process was started with, or "default"."""
+    names = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return {name: os.environ[name] for name in names if name in os.environ} or "default"
+
+
 def trl_settings(
     settings: dict[str, Any], args: PPOConfig, tokenizer: PreTrainedTokenizerBase
 ) -> dict[str, Any]:
@@ -314,6 +324,7 @@ def trl_settings(
     return {
         **settings,
         "torch_threads": torch.get_num_threads(),
+        "host_allocator": glibc_allocator_environment(),
         "batch_size": args.batch_size,
         "mini_batch_size": args.mini_batch_size,
         "micro_batch_size": args.per_device_train_batch_size,

@@ -43,6 +43,7 @@ from rlhf_core.evaluation.samples import sample_generations
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
 from rlhf_core.stages.result import METRICS_FILE
+from rlhf_core.training.host_allocator import keep_freed_memory
 from rlhf_core.training.logger import MetricsLogger
 from tasks.artifacts import (
     PROGRESS_METRIC,
@@ -202,6 +203,7 @@ def tracked_training_stage(
     key = stage_cache_key(stage, config, STAGE_SECTIONS[stage], input_hashes)
     run_tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {}), **(tags or {})}
     with training_slot(), stage_run(context.tracking, stage, stage_params(stage, config), run_tags, run_name) as run_id:
+        keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
         out_dir = claim_out_dir(context.cache_dir, key, context.run_dir / OUTPUT_DIRS[stage])
         yield StageRun(stage, out_dir, run_id, context.tracking.client(), context.tracking)
         release_claim(context.cache_dir, key)

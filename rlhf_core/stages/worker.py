@@ -26,6 +26,7 @@ from rlhf_core.config import read_yaml_mapping, validate_config
 from rlhf_core.distributed.context import rank_context
 from rlhf_core.distributed.rank_errors import recording_rank_errors
 from rlhf_core.stages.result import StageResult
+from rlhf_core.training.host_allocator import keep_freed_memory
 
 log = logging.getLogger(__name__)
 STAGES = ("sft", "reward", "ppo")
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("rlhf_core").setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO"))
     log.info("rank %d of %d (local rank %d) starting", context.rank, context.world_size, context.local_rank)
+    keep_freed_memory()
     with recording_rank_errors():
         args = parse_args(argv)
         result = run_stage(args)
