@@ -15,6 +15,7 @@ import typer
 
 from rlhf_core.config import Config
 from rlhf_core.stages.result import StageResult, read_metrics
+from rlhf_core.training.host_allocator import keep_freed_memory
 
 
 def run_training_stage(
@@ -29,6 +30,7 @@ def run_training_stage(
 ) -> StageResult:
     """`run_here()` on one process, else launch `stage` (sft | reward | ppo) on the configured processes."""
     if config.distributed.world_size <= 1:
+        keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
         return run_here()
     from rlhf_core.distributed.launcher import launch_stage
 

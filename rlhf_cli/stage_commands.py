@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from rlhf_cli.launching import run_training_stage
+from rlhf_core.training.host_allocator import keep_freed_memory
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -121,6 +122,7 @@ def judge_rm(
     out_dir = out if out is not None else Path("artifacts/judge_reward")
     if restart:
         discard_checkpoints(out_dir, "judge-reward")
+    keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
     metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
     typer.echo(
         f"judge-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs of the PPO-prompt "

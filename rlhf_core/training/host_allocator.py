@@ -12,8 +12,9 @@ machine's copy bandwidth (docs/rollout-engine.md, "Training").
 `keep_freed_memory` switches `mmap` off for the heap's blocks (M_MMAP_MAX = 0) and trims the heap only
 when more than 1 GiB lies free at its top, the remedy the PyTorch CPU tuning guides give besides a
 preloaded jemalloc or tcmalloc: freed blocks stay in the process for the next tensor of their size.
-Measured on the tiny model's training step: minor page faults from ~90 000 to ~0 per step, 1.8x faster,
-peak resident set +40-60 MB (freed blocks are reused, but not always in the same order).
+Measured: a tiny-model training step from ~90 000 minor page faults to ~0 and 1.8x faster; the default
+SFT stage 1.21x faster with the same losses, at 12% more peak resident set (freed blocks are kept, and
+not always reused in the order they were freed). Any `MALLOC_*` variable of the user's keeps it off.
 """
 
 from __future__ import annotations
