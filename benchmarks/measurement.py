@@ -133,7 +133,9 @@ def peak_memory(device: torch.device, window: MemoryWindow) -> dict[str, Any]:
     training loop's own working memory, without the libraries and weights already resident.
     """
     window_rss = _proc_status_bytes("VmHWM") if window.rss_scope == "iterations" else None
-    process_rss = process_peak_rss_bytes()
+    # getrusage and /proc read the kernel's high-water mark by different paths, a few KiB apart at
+    # times; the whole process's peak is at least the iterations' own.
+    process_rss = max(process_peak_rss_bytes(), window_rss or 0)
     cuda = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     if cuda is not None:
         compared, what = cuda, "torch.cuda.max_memory_allocated over the measured iterations"
