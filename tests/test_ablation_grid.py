@@ -61,6 +61,18 @@ def test_the_learning_rate_grid_raises_only_the_policy_learning_rate() -> None:
         assert differences(variant, variant.spec.preset) == {}
 
 
+def test_the_unguarded_grid_raises_the_rate_and_switches_off_only_the_guard() -> None:
+    plan = plan_ablation(read_grid(GRIDS / "unguarded.yaml"), PARAMS)
+    assert [(variant.name, variant.spec.preset) for variant in plan.variants] == [
+        ("vanilla-lr5e-5-unguarded", "vanilla"), ("ppo_max-lr5e-5-unguarded", "ppo_max"),
+    ]  # fmt: skip
+    for variant in plan.variants:
+        ppo = variant.config.ppo
+        assert ppo.policy_lr == 5e-5
+        assert ppo.guard.model_dump() == {"max_kl": None, "max_length_drift": None, "max_perplexity_drop": None}
+        assert differences(variant, variant.spec.preset) == {}  # the Figure 5 switches are the preset's
+
+
 def test_base_switches_refine_their_own_preset_and_are_dropped_for_another() -> None:
     # configs/tiny.yaml sets ppo.critic_pretrain_steps: 1 over the base's ppo_max preset
     grid = GridSpec(
