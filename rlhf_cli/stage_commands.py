@@ -14,7 +14,6 @@ from typing import Annotated
 import typer
 
 from rlhf_cli.launching import run_training_stage
-from rlhf_core.training.host_allocator import keep_freed_memory
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -25,6 +24,7 @@ from rlhf_cli.options import (
     SftDirOption,
     resolve_config,
 )
+from rlhf_core.training.host_allocator import keep_freed_memory
 
 
 def _resumed_note(metrics: dict[str, float]) -> str:

@@ -24,7 +24,7 @@ import ctypes.util
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def user_chose_allocator(environ: Mapping[str, str]) -> bool:
     return any(name in environ for name in GLIBC_SETTINGS) or "malloc" in environ.get("LD_PRELOAD", "")
 
 
-def _glibc_mallopt():  # noqa: ANN202 - a ctypes function
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
     """glibc's `mallopt`, or None where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     if name is None:
