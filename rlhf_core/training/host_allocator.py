@@ -20,11 +20,12 @@ not always reused in the order they were freed). Any `MALLOC_*` variable of the 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
+
+from rlhf_core.c_library import c_library
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ def user_chose_allocator(environ: Mapping[str, str]) -> bool:
 
 def _glibc_mallopt() -> Callable[[int, int], int] | None:
     """glibc's `mallopt`, or None where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    library = ctypes.CDLL(name)
-    if not hasattr(library, "gnu_get_libc_version") or not hasattr(library, "mallopt"):
+    library = c_library()
+    if library is None or not hasattr(library, "gnu_get_libc_version") or not hasattr(library, "mallopt"):
         return None
     library.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     library.mallopt.restype = ctypes.c_int
