@@ -96,6 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--response-length", type=int, help="tokens per response (ppo.rollout.max_new_tokens)"
     )
+    parser.add_argument(
+        "--scoring-batch-size", type=int, help="ppo.scoring_batch_size (rows per no-grad scoring pass; default: "
+        "the rollout batch, as TRL's local_rollout_forward_batch_size is set on its side)",
+    )  # fmt: skip
     parser.add_argument("--ppo-epochs", type=int, help="ppo.ppo_epochs")
     parser.add_argument("--engine", choices=["hf", "lean"], help="ppo.rollout.engine (default: the config's)")
     parser.add_argument(
@@ -140,12 +144,18 @@ def resolve_config(args: argparse.Namespace) -> Config:
         "ppo.max_prompt_tokens": args.prompt_length,
         "ppo.rollout.max_new_tokens": args.response_length,
         "ppo.ppo_epochs": args.ppo_epochs,
+        "ppo.scoring_batch_size": args.scoring_batch_size,
         "ppo.rollout.engine": args.engine,
         "ppo.rollout.dtype": args.rollout_dtype,
     }
     overrides = [f"{key}={value}" for key, value in options.items() if value is not None]
     overrides += ["ppo.critic_pretrain_steps=0", f"distributed.bf16={str(args.bf16).lower()}"]
-    return load_config(PARAMS, overlays=[BENCHMARK_OVERLAY, *args.config], overrides=overrides)
+    config = load_config(PARAMS, overlays=[BENCHMARK_OVERLAY, *args.config], overrides=overrides)
+    if args.scoring_batch_size is None and config.ppo.scoring_batch_size is None:
+        # TRL scores the whole rollout per pass (trl_ppo_throughput.py); so does ours unless told otherwise
+        overrides.append(f"ppo.scoring_batch_size={config.ppo.rollout_batch_size}")
+        config = load_config(PARAMS, overlays=[BENCHMARK_OVERLAY, *args.config], overrides=overrides)
+    return config
 
 
 def build_models(config: Config, device: torch.device) -> tuple[PPOModels, PreTrainedTokenizerBase]:
@@ -161,7 +171,7 @@ def build_models(config: Config, device: torch.device) -> tuple[PPOModels, PreTr
         critic = Critic.from_causal_lm(load_base_model(config.model, device)[0], seed=config.seed)
     reference.to(dtype=frozen_dtype)
     reward_model.to(dtype=frozen_dtype).requires_grad_(False)
-    scorer = RewardModelScorer(reward_model, config.ppo.micro_batch_size)
+    scorer = RewardModelScorer(reward_model, config.ppo.scoring_rows)
     return PPOModels(policy=policy, reference=reference, critic=critic, scorer=scorer), tokenizer
 
 
@@ -203,6 +213,7 @@ def benchmark_settings(
         "batch_size": ppo.rollout_batch_size,
         "mini_batch_size": ppo.mini_batch_size,
         "micro_batch_size": ppo.micro_batch_size,
+        "scoring_batch_size": ppo.scoring_rows,
         "prompt_length": ppo.max_prompt_tokens,
         "response_length": ppo.rollout.max_new_tokens,
         "ppo_epochs": ppo.ppo_epochs,

@@ -5,8 +5,9 @@
 
 For each rollout batch size, on the same fixed-length prompts (`workload.py`), each engine generates
 `--response-length` tokens per prompt (no stop token, so every reply is full length) `--repeats` times from
-the same seed: `hf` (transformers `generate` on the policy), `lean` (float32) and `lean-bf16`
-(`ppo.rollout.dtype: bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
+the same seed: `hf` (transformers `generate` on the policy), `lean` (float32, the default `inverse_cdf`
+sampler), `lean-multinomial` (float32, drawing as `generate` does, so its tokens equal `hf`'s) and
+`lean-bf16` (`ppo.rollout.dtype: bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
 the share of the bound's speed reached (generation_bounds.py), whether its tokens equal `hf`'s, and its
 log-probs of the tokens it sampled against the float32 scoring pass the trainer uses
 (`rollout.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
@@ -44,7 +45,12 @@ from rlhf_core.ppo.rollout_engine import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ENGINES = {"hf": ("hf", "float32"), "lean": ("lean", "float32"), "lean-bf16": ("lean", "bfloat16")}
+ENGINES = {  # name: (ppo.rollout.engine, dtype, sampler)
+    "hf": ("hf", "float32", "multinomial"),
+    "lean": ("lean", "float32", "inverse_cdf"),
+    "lean-multinomial": ("lean", "float32", "multinomial"),
+    "lean-bf16": ("lean", "bfloat16", "inverse_cdf"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,9 +79,12 @@ def hf_logprobs(policy: PreTrainedModel, prompt: tuple[Tensor, Tensor], params: 
     return torch.log_softmax(scores, dim=-1).gather(2, tokens[..., None]).squeeze(-1)
 
 
-def same_tokens(generation: Generation, reference: Generation | None) -> bool | None:
-    """Whether `generation` drew `hf`'s tokens (None when `hf` did not run first)."""
-    return None if reference is None else bool(torch.equal(generation.response_ids, reference.response_ids))
+def same_tokens(generation: Generation, reference: Generation | None, sampler: str) -> bool | None:
+    """Whether `generation` drew `hf`'s tokens (None when `hf` did not run first, or when the engine draws
+    with other random numbers than `generate`: the `inverse_cdf` sampler)."""
+    if reference is None or sampler != "multinomial":
+        return None
+    return bool(torch.equal(generation.response_ids, reference.response_ids))
 
 
 def logprob_gaps(engine_logprobs: Tensor, scored: Tensor) -> dict[str, float]:
@@ -111,8 +120,8 @@ def measure_batch(
     results: dict[str, Any] = {}
     reference: Generation | None = None
     for name in args.engines.split(","):
-        kind, dtype = ENGINES[name]
-        settings = RolloutConfig(max_new_tokens=length, engine=kind, dtype=dtype)
+        kind, dtype, sampler = ENGINES[name]
+        settings = RolloutConfig(max_new_tokens=length, engine=kind, dtype=dtype, sampler=sampler)
         params = SamplingParams(settings, (), pad_id=0)
         engine = HFGenerateEngine(policy) if kind == "hf" else LeanEngine(policy, settings, batch)
         seconds, generation = time_engine(engine, prompt, params, args.repeats, device)
@@ -129,7 +138,7 @@ def measure_batch(
             "tokens_per_s": batch * length / seconds,
             "bound_s": bound.generate_s,
             "bound_over_measured": bound.generate_s / seconds,
-            "same_tokens_as_hf": same_tokens(generation, reference),
+            "same_tokens_as_hf": same_tokens(generation, reference, sampler),
             **logprob_gaps(own.to(scored.device), scored),
         }
     return results

@@ -23,7 +23,8 @@ It reads the `settings` block of our report and mirrors it:
   backward passes as ours. One difference is TRL's design: its gradient accumulation spans the
   whole batch, so it takes one optimizer step per epoch where ours takes one per mini-batch (B / M).
   TRL generates and scores `local_rollout_forward_batch_size` rows at a time, set to B (its default,
-  64, covers any batch up to 64): one generate call per batch, as ours;
+  64, covers any batch up to 64): one generate call per batch, as ours, and B rows per scoring pass, as
+  ours in the benchmark (`ppo.scoring_batch_size`, which ppo_throughput.py sets to B unless told otherwise);
 - the same C allocator settings: when ours had glibc keep freed memory (`host_allocator` in its
   settings; rlhf_core/training/host_allocator.py), compare_trl.py starts this script with the same
   settings as glibc's environment variables, and the report says what this process ran with;
@@ -328,6 +329,7 @@ def trl_settings(
         "batch_size": args.batch_size,
         "mini_batch_size": args.mini_batch_size,
         "micro_batch_size": args.per_device_train_batch_size,
+        "scoring_batch_size": args.local_rollout_forward_batch_size,
         "response_length": args.response_length,
         "ppo_epochs": args.num_ppo_epochs,
         "temperature": args.temperature,

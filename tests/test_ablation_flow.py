@@ -110,8 +110,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_
     (root / "base").mkdir()
     write_stage_inputs(root / "base")  # a pipeline run directory: data/, sft/, reward/ ...
     save_rm_output(root / "base" / "judge_reward", tokenizer, seed=2)  # the base's independent judge
+    # generate's draws: with them the variants' tiny runs hand on different policies; with the inverse-CDF
+    # draws both ppo_max variants validate best at step 0 and hand on the SFT policy, and the second one's
+    # evaluation of the same output is (rightly) a cache hit, which is not what these tests are about
     common = {
         "base": str(root / "base"), "config": [str(REPO / "configs" / "tiny.yaml")],
+        "overrides": ["ppo.rollout.sampler=multinomial"],
         "params_file": str(REPO / "params.yaml"), "runs_dir": str(root / "runs"),
     }  # fmt: skip
     uri = f"sqlite:///{root / 'mlflow.db'}"

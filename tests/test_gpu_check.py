@@ -72,13 +72,14 @@ def test_dry_run_passes_and_prints_the_benchmark_figures(tmp_path: Path) -> None
     assert number(figures["MFU"]) == pytest.approx(100 * model_tflops / PEAK_TFLOPS, abs=0.01)
     assert f"of {PEAK_TFLOPS:g} TFLOP/s" in figures["MFU"]
 
-    # Generation against its bound, the batch sweep, and the engines side by side (the lean engine's tokens
-    # are hf's: both float32 on the CPU).
+    # Generation against its bound, the batch sweep, and the engines side by side (the lean engine drawing
+    # as generate does draws hf's tokens: both float32 on the CPU).
     generation = report["generation"]
     assert generation["engine"] == "lean" and [row["batch_size"] for row in generation["sweep"]] == [2, 4]
     assert "rollout engines" in figures and figures["generation"].startswith("engine lean")
     engines = json.loads((tmp_path / "rollout_engines.json").read_text())["batches"]["4"]
-    assert engines["lean"]["same_tokens_as_hf"] is True and engines["lean"]["logprob_gap_max"] < 1e-4
+    assert engines["lean-multinomial"]["same_tokens_as_hf"] is True
+    assert engines["lean"]["logprob_gap_max"] < 1e-4 and engines["lean-multinomial"]["logprob_gap_max"] < 1e-4
 
     # The tiny pipeline ran every stage and registered the policy.
     run_dir = Path(re.search(r"run directory: (\S+)\)", figures["tiny pipeline"])[1])

@@ -12,6 +12,7 @@ from rlhf_core.ppo.losses import (
     logprobs_from_logits,
     policy_loss,
     reduce_tokens,
+    tempered,
     value_loss,
 )
 
@@ -107,6 +108,15 @@ def test_logprobs_with_temperature_match_manual_softmax() -> None:
         logprobs_from_logits(logits, tokens, temperature=0.0)
     with pytest.raises(ValueError, match="tokens"):
         logprobs_from_logits(logits, tokens[:, :2])
+
+
+def test_tempered_logits_are_the_logits_at_temperature_one_and_divided_otherwise() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    assert tempered(logits, 1.0) is logits  # no [B, T, V] copy for a division by 1
+    assert torch.equal(tempered(logits, 0.7), logits / 0.7)
+    half = logits.to(torch.bfloat16)
+    assert tempered(half, 1.0).dtype == torch.float32
+    assert torch.equal(tempered(half, 2.0), half.float() / 2.0)
 
 
 def test_logprobs_upcast_half_precision() -> None:

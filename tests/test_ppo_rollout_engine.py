@@ -1,5 +1,6 @@
-"""Rollout engines on the tiny model: the lean engine draws the reference (`generate`) engine's tokens,
-stops and pads as it does, follows the policy's weights, and any engine behind the protocol runs the trainer.
+"""Rollout engines on the tiny model: the lean engine draws the reference (`generate`) engine's tokens with
+the `multinomial` sampler and a plain reference loop's with `inverse_cdf`, stops and pads as `generate` does,
+follows the policy's weights, and any engine behind the protocol runs the trainer.
 
 Every comparison runs both engines from the same seed on the same left-padded prompts (different lengths).
 """
@@ -20,14 +21,19 @@ from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.lora import add_lora_adapters
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience_maker import PPOModels, make_rollout_engine
-from rlhf_core.ppo.lean_engine import LeanEngine
+from rlhf_core.ppo.lean_engine import LeanEngine, logits_processors
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,
     left_pad,
     response_logprobs,
     stop_token_ids,
 )
-from rlhf_core.ppo.rollout_engine import Generation, HFGenerateEngine, SamplingParams
+from rlhf_core.ppo.rollout_engine import (
+    Generation,
+    HFGenerateEngine,
+    SamplingParams,
+    finish_replies,
+)
 from rlhf_core.ppo.shared_trunk import SharedTrunk
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
 
@@ -53,8 +59,39 @@ def prompt(tokenizer: PreTrainedTokenizerBase) -> tuple[Tensor, Tensor]:
 
 
 def params(tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 10, **settings: float | str) -> SamplingParams:
-    rollout = RolloutConfig(max_new_tokens=max_new_tokens, **settings)
+    """Sampling settings; the lean engine draws as `generate` does (`multinomial`) unless told otherwise,
+    as most tests compare its tokens with the reference engine's."""
+    rollout = RolloutConfig(max_new_tokens=max_new_tokens, **{"sampler": "multinomial", **settings})
     return SamplingParams(rollout, tuple(stop_token_ids(tokenizer)), tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def reference_inverse_cdf_rollout(
+    model: PreTrainedModel, prompt: tuple[Tensor, Tensor], sampling: SamplingParams, seed: int
+) -> Tensor:
+    """`generate`'s sampling loop written out plainly, drawing as the `inverse_cdf` sampler does: the
+    model's full forward pass over everything so far at each step (no cache), the same processors, one
+    float64 uniform per row located in the float64 cumulative sum of the probabilities."""
+    ids, mask = prompt
+    processors = logits_processors(sampling.settings)
+    stops = torch.tensor(sampling.stop_ids)
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool)
+    generated = []
+    torch.manual_seed(seed)
+    for _ in range(sampling.settings.max_new_tokens):
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+        probs = torch.softmax(processors(ids, logits), dim=-1)
+        cumulative = probs.double().cumsum(dim=-1)
+        uniform = torch.rand(ids.shape[0], dtype=torch.float64)
+        token = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True).squeeze(1)
+        token = torch.where(unfinished, token, sampling.pad_id)
+        generated.append(token)
+        unfinished &= ~torch.isin(token, stops)
+        ids, mask = torch.cat([ids, token[:, None]], dim=1), torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if not bool(unfinished.any()):
+            break
+    return torch.stack(generated, dim=1)
 
 
 def stop_prone_model(tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -101,6 +138,23 @@ def test_lean_engine_draws_the_reference_engines_tokens_and_log_probs(
             # pure temperature: the engine sampled exactly the distribution the scoring pass measures
             assert got.logprobs is not None
             assert (got.logprobs - scored).abs().max() < FP32_LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_inverse_cdf_sampler_draws_what_the_plain_reference_loop_draws(
+    tokenizer: PreTrainedTokenizerBase, prompt: tuple[Tensor, Tensor], settings: dict[str, float]
+) -> None:
+    model = stop_prone_model(tokenizer)
+    sampling = params(tokenizer, max_new_tokens=12, sampler="inverse_cdf", **settings)
+    lean = LeanEngine(model, sampling.settings, rollout_batch_size=3)
+    finished_rows = 0
+    for seed in range(3):
+        got = lean.generate(*prompt, sampling, seed=seed)
+        expected = reference_inverse_cdf_rollout(model, prompt, sampling, seed)
+        ids, mask, _ = finish_replies(expected, sampling)
+        assert torch.equal(got.response_ids, ids) and torch.equal(got.response_mask, mask), seed
+        finished_rows += int(got.finished.sum())
+    assert finished_rows > 0  # replies that stopped early were compared too
 
 
 def test_generation_stops_at_end_of_turn_and_pads_after_it(
@@ -198,7 +252,7 @@ def test_a_seed_gives_its_own_stream_and_leaves_the_global_one(
     tokenizer: PreTrainedTokenizerBase, prompt: tuple[Tensor, Tensor]
 ) -> None:
     model = build_tiny_model(tokenizer, seed=6)
-    sampling = params(tokenizer)
+    sampling = params(tokenizer, sampler="inverse_cdf")
     lean = LeanEngine(model, sampling.settings, 3)
     torch.manual_seed(123)
     state = torch.random.get_rng_state()

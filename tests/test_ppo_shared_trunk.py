@@ -184,6 +184,26 @@ def test_rollout_runs_the_lower_blocks_once(tokenizer: PreTrainedTokenizerBase, 
         assert (counts[False]["policy"], counts[True]["policy"]) == (2, 0)
 
 
+def test_scoring_batch_size_sets_the_rows_per_pass_and_changes_no_number(tokenizer: PreTrainedTokenizerBase) -> None:
+    """`scoring_batch_size` 4 scores the 4 rows in one pass per model instead of micro-batches of 2, with
+    the same experience (float rounding of other matrix shapes aside)."""
+    experiences, counts = {}, {}
+    for rows in (None, 4):
+        models = four_models(tokenizer)
+        rollout = {"max_new_tokens": 8, "engine": "hf"}
+        trainer = make_trainer(models, tokenizer, share_frozen_trunk=False, rollout=rollout, scoring_batch_size=rows)
+        torch.manual_seed(0)
+        calls, handles = lower_block_calls(models)
+        experiences[rows], _ = trainer.maker.make_experience(trainer.maker.next_prompts())
+        for handle in handles:
+            handle.remove()
+        counts[rows] = calls
+    assert (counts[None]["reference"], counts[None]["critic"]) == (2, 2)
+    assert (counts[4]["reference"], counts[4]["critic"]) == (1, 1)
+    for name in EXPERIENCE_FIELDS:
+        torch.testing.assert_close(getattr(experiences[4], name), getattr(experiences[None], name), msg=name)
+
+
 def test_frozen_members_store_the_trunk_once(tokenizer: PreTrainedTokenizerBase) -> None:
     """The reference and the reward model read the policy's lower-block tensors (one copy in memory);
     the critic, which trains and is checkpointed, keeps its own; each model keeps its own Parameters."""

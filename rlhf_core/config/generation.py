@@ -8,6 +8,8 @@ from pydantic import Field
 
 from rlhf_core.config.base import Section
 
+Sampler = Literal["inverse_cdf", "multinomial"]
+
 
 class GenerationConfig(Section):
     """Sampling settings. Rollouts default to pure temperature sampling so PPO stays on-policy."""
@@ -26,4 +28,10 @@ class RolloutConfig(GenerationConfig):
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Lean engine weights; bfloat16 samples a slightly different distribution (off-policy)."
+    )
+    sampler: Sampler = Field(
+        "inverse_cdf",
+        description="Lean engine's draw (rlhf_core/ppo/sampling.py), both exact: inverse_cdf, one uniform per reply "
+        "(~0.5 ms a step); multinomial, torch.multinomial as generate draws (its tokens for a seed; ~10 ms a step). "
+        "The hf engine always draws as generate does.",
     )

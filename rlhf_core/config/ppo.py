@@ -106,6 +106,10 @@ class PPOConfig(Section):
     rollout_batch_size: int = Field(16, ge=1, description="Prompts per rollout (the experience buffer).")
     mini_batch_size: int = Field(8, ge=1, description="Rollouts per optimizer step.")
     micro_batch_size: int = Field(4, ge=1, description="Rollouts per forward pass (memory, not maths).")
+    scoring_batch_size: int | None = Field(
+        None, ge=1, description="Rollouts per no-grad scoring pass (policy, reference, critic, reward model; "
+        "memory, not maths); null: micro_batch_size. TRL's local_rollout_forward_batch_size.",
+    )  # fmt: skip
     ppo_epochs: int = Field(2, ge=1, description="Passes of optimizer steps over each rollout.")
     policy_lr: float = Field(1e-5, gt=0, lt=1, description="Policy learning rate (paper 5e-7 at 7B).")
     critic_lr: float = Field(1.5e-4, gt=0, lt=1, description="Critic learning rate (paper 3x the policy's).")
@@ -152,6 +156,11 @@ class PPOConfig(Section):
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError("mini_batch_size must be a multiple of micro_batch_size")
         return self
+
+    @property
+    def scoring_rows(self) -> int:
+        """Rows per no-grad scoring pass (`scoring_batch_size`, else `micro_batch_size`)."""
+        return self.scoring_batch_size or self.micro_batch_size
 
 
 def preset_switches(preset: str) -> dict[str, Any]:

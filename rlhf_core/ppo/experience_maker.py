@@ -3,7 +3,7 @@
 The `ExperienceMaker` owns everything between the prompt stream and the tensors PPO learns from: the
 next prompts (a seeded reshuffle every epoch, sharded across ranks), one batched call of the rollout
 engine (rollout_engine.py, `ppo.rollout.engine`; under ZeRO-3 with the policy gathered once), and the
-no-grad scoring passes of the policy, the reference, the critic and the reward model, `micro_batch_size`
+no-grad scoring passes of the policy, the reference, the critic and the reward model, `scoring_rows`
 rows at a time: the log-probs PPO uses are always the scoring pass's, never the engine's. With the
 shared trunk (rlhf_core/ppo/shared_trunk.py) the frozen lower blocks run once per rollout (or not at all:
 the lean engine hands back their states) and every pass, the update included, starts from their
@@ -33,12 +33,12 @@ from rlhf_core.models.heads import Critic
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.lean_engine import DTYPES, LeanEngine
 from rlhf_core.ppo.monitors import Metrics, experience_monitors
+from rlhf_core.ppo.losses import at_least_float32
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.rollout import (
     RewardModelScorer,
     Scorer,
-    at_least_float32,
     chunks,
     left_pad,
     response_logprobs,
@@ -207,7 +207,7 @@ class ExperienceMaker:
         if generation is not None and generation.trunk_residual is not None:
             return TrunkStates(generation.trunk_residual, self.trunk.num_lower)
         with self.autocast():
-            return self.trunk.states(prompt, response, self.config.micro_batch_size)
+            return self.trunk.states(prompt, response, self.config.scoring_rows)
 
     def trunk_for(self, model: str, states: TrunkStates | None) -> TrunkStates | None:
         """`states` when `model` starts its passes from the shared trunk, else None (a full forward)."""
@@ -265,7 +265,7 @@ class ExperienceMaker:
         """`pass_(prompt_ids, prompt_mask, response_ids, response_mask, trunk=...)` on each micro-batch of
         rows, in order: the one loop every scoring pass runs."""
         parts = []
-        for rows in chunks(prompt[0].shape[0], self.config.micro_batch_size):
+        for rows in chunks(prompt[0].shape[0], self.config.scoring_rows):
             with self.autocast():
                 parts.append(
                     pass_(

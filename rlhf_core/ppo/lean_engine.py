@@ -2,13 +2,15 @@
 
 Per rollout: one prefill of the left-padded prompts into a preallocated KV cache, then one decode step per
 reply token, each a single-row-per-prompt forward through the engine's reordered weights
-(decode_weights.py). Sampling repeats `generate`'s exactly: the same logits processors in the same order
+(decode_weights.py). Sampling repeats `generate`'s: the same logits processors in the same order
 (transformers' repetition penalty, temperature and top-p classes, each only when switched on), ``softmax``
-then ``torch.multinomial`` on the ``[B, vocab]`` float32 probabilities from torch's global generator, a
-finished row's token replaced by the pad id, a stop once every row has emitted a stop id or the length cap
-is reached. So with float32 weights and the same random state it draws the same tokens as
-`HFGenerateEngine` (tests/test_ppo_rollout_engine.py), up to the float32 rounding of a different matmul
-kernel (docs/rollout-engine.md measures it).
+to the ``[B, vocab]`` float32 probabilities, one draw per row from torch's global generator
+(`ppo.rollout.sampler`, sampling.py), a finished row's token replaced by the pad id, a stop once every
+row has emitted a stop id or the length cap is reached. With the `multinomial` sampler, float32 weights
+and the same random state it draws the same tokens as `HFGenerateEngine`
+(tests/test_ppo_rollout_engine.py), up to the float32 rounding of a different matmul kernel
+(docs/rollout-engine.md measures it); the default `inverse_cdf` sampler draws from the same distribution
+with other random numbers, at a thirtieth of the cost.
 
 On-policy: PPO's behaviour log-probs are never the engine's. The experience maker recomputes them in its
 float32 scoring pass over the sampled tokens (`response_logprobs`), the same pass the update's new
@@ -46,6 +48,7 @@ from rlhf_core.ppo.rollout_engine import (
     finish_replies,
     seeded,
 )
+from rlhf_core.ppo.sampling import draw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -122,7 +125,7 @@ class LeanEngine:
         steps = 0
         while steps < limit:
             scores = processors(ids[:, : width + steps], logits)
-            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            token = draw(torch.softmax(scores, dim=-1), params.settings.sampler)
             if len(params.stop_ids):
                 token = torch.where(unfinished, token, params.pad_id)
             ids[:, width + steps] = token

@@ -102,11 +102,17 @@ def value_loss(
     return per_token, ValueLossStats(clip_fraction=clip_fraction.detach())
 
 
-def _upcast_half(logits: Tensor) -> Tensor:
-    """log-softmax over a large vocabulary loses too much precision in fp16/bf16."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        return logits.float()
-    return logits
+def at_least_float32(x: Tensor) -> Tensor:
+    """Half-precision model outputs upcast (a log-softmax over a large vocabulary loses too much precision
+    in fp16/bf16); float32 and float64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature`` (half precision upcast); at temperature 1 the logits themselves, since
+    dividing by 1 changes no value and would copy a ``[B, T, V]`` tensor for nothing."""
+    logits = at_least_float32(logits)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
@@ -125,7 +131,7 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
             "expected logits [B, T, V] and tokens [B, T], "
             f"got {tuple(logits.shape)} and {tuple(tokens.shape)}"
         )
-    scaled = _upcast_half(logits) / temperature
+    scaled = tempered(logits, temperature)
     token_logits = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return token_logits - torch.logsumexp(scaled, dim=-1)
 
@@ -137,7 +143,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     logits set to ``-inf``) contribute 0 instead of ``0 * -inf = nan``, in value and gradient.
     Half-precision logits are upcast to float32.
     """
-    log_probs = torch.log_softmax(_upcast_half(logits), dim=-1)
+    log_probs = torch.log_softmax(at_least_float32(logits), dim=-1)
     probs = log_probs.exp()
     finite_log_probs = log_probs.masked_fill(probs == 0, 0.0)
     return -(probs * finite_log_probs).sum(dim=-1)

@@ -20,7 +20,7 @@ from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import EncodedConversation, Messages, encode_conversation
-from rlhf_core.ppo.rollout import at_least_float32
+from rlhf_core.ppo.losses import at_least_float32
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan
 
 

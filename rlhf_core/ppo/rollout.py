@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.ppo.losses import entropy_from_logits, logprobs_from_logits
+from rlhf_core.ppo.losses import at_least_float32, entropy_from_logits, logprobs_from_logits, tempered
 from rlhf_core.ppo.sequences import TrunkStates, joined_hidden_states, joined_sequence
 
 
@@ -91,11 +91,6 @@ class RewardModelScorer:
                 )
             )
         return at_least_float32(torch.cat(scores))
-
-
-def at_least_float32(x: Tensor) -> Tensor:
-    """Upcast half-precision model outputs; float32 and float64 stay as they are."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def chunks(batch_size: int, chunk_size: int) -> list[slice]:
@@ -213,13 +208,15 @@ def response_logprobs(
     joined = joined_sequence(prompt_ids, prompt_mask, response_ids, response_mask)
     width, length = joined.prompt_width, joined.response_length
     hidden = joined_hidden_states(lm.base_model, joined, trunk)
-    logits = lm.get_output_embeddings()(hidden[:, width - 1 : width + length - 1])
+    # contiguous: the LM head then runs as one matrix product over all B x T rows, not a batched one per
+    # row over a broadcast weight (bit-identical logits, 1.4-1.6x faster on a CPU; docs/rollout-engine.md)
+    logits = lm.get_output_embeddings()(hidden[:, width - 1 : width + length - 1].contiguous())
     real = response_mask[:, :length].bool()
     logprobs = torch.where(real, logprobs_from_logits(logits, response_ids[:, :length], temperature), 0.0)
     full_length = response_ids.shape[1]
     if not with_entropy:
         return _pad_to(logprobs, full_length), None
-    entropy = torch.where(real, entropy_from_logits(at_least_float32(logits) / temperature), 0.0)
+    entropy = torch.where(real, entropy_from_logits(tempered(logits, temperature)), 0.0)
     return _pad_to(logprobs, full_length), _pad_to(entropy, full_length)
 
 

@@ -113,7 +113,7 @@ def load_ppo_models(
     else:
         sft_copy, _ = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
         critic = Critic.from_causal_lm(sft_copy, seed=config.seed)
-    scorer = RewardModelScorer(reward_model, config.ppo.micro_batch_size)
+    scorer = RewardModelScorer(reward_model, config.ppo.scoring_rows)
     return PPOModels(policy=policy, reference=reference, critic=critic, scorer=scorer), tokenizer
 
 
@@ -247,7 +247,7 @@ def run_ppo(
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
     with stage_lock(out_dir, "ppo"):
         trainer = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
-        if not stage_context(config.distributed).is_main:  # the other ranks train alongside, write nothing
+        if not trainer.context.is_main:  # the other ranks train alongside, write nothing
             result = fit(trainer, out_dir / "checkpoints")
             return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
         result = _fit_logged(trainer, config, out_dir, logger)
@@ -256,6 +256,7 @@ def run_ppo(
 
 def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path) -> PPOTrainer:
     """The trainer, once the checkpoints are known to belong to these inputs (a refusal touches nothing)."""
+    context = stage_context(config.distributed)  # the process group before any engine can start its own
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
     trainer = PPOTrainer(
@@ -271,7 +272,7 @@ def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, ou
     check_resumable(out_dir / "checkpoints", inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
-    if stage_context(config.distributed).is_main:
+    if context.is_main:
         record_run_inputs(out_dir / "checkpoints", inputs)
     return trainer
 

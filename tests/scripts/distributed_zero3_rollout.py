@@ -58,6 +58,7 @@ def main() -> None:
             "ppo.ptx_coef=0",
             "ppo.rollout.max_new_tokens=8",
             f"ppo.rollout.engine={args.engine}",
+            "ppo.rollout.sampler=multinomial",  # generate's draws: the engine's tokens are compared with its
         ],
     )
     context = stage_context(config.distributed)
