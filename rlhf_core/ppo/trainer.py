@@ -38,6 +38,7 @@ from rlhf_core.ppo.update import PPOUpdate
 from rlhf_core.ppo.validation import Validator
 from rlhf_core.progress import bars_enabled
 from rlhf_core.training.checkpoint import TrainingState, latest_checkpoint
+from rlhf_core.training.freezing import sparse_gradient_into_tied_head
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop import seed_everything
 from rlhf_core.training.precision import autocast
@@ -84,6 +85,7 @@ class PPOTrainer:
         self.device = next(models.policy.parameters()).device
         models.reference.requires_grad_(False).eval()
         make_trainable(models.policy, config.trainable_top_layers, config.lora, seed)
+        sparse_gradient_into_tied_head(models.policy)
         make_trainable(
             models.critic, config.trainable_top_layers, config.lora, seed, heads=[models.critic.value_head]
         )
