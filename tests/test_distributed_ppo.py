@@ -21,6 +21,7 @@ import pytest
 from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
+    assert_no_shared_buffers_left,
     assert_same_weights,
     free_port,
     read_history,
@@ -72,16 +73,18 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 
     monkeypatch.setenv("RLHF_LOG_LEVEL", "DEBUG")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port = free_port()
     two_ranks = tiny_config(
         *COMMON,
         *(setting.format(2) for setting in batch),
         "distributed.num_processes=2",
         "distributed.zero_stage=3",
-        f"distributed.master_port={free_port()}",
+        f"distributed.master_port={port}",
     )
     log = RankLog()
     dirs = {"data_dir": inputs.data_dir, "sft_dir": inputs.sft_dir, "rm_dir": inputs.rm_dir}
     launch_stage("ppo", two_ranks, tmp_path / "two", log, **dirs)
+    assert_no_shared_buffers_left(port)
 
     total = single.ppo.critic_pretrain_steps + single.ppo.steps
     assert log.world_sizes() == {0: 2, 1: 2}

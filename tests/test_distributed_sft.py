@@ -20,6 +20,7 @@ import pytest
 from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
+    assert_no_shared_buffers_left,
     assert_same_weights,
     free_port,
     read_history,
@@ -55,14 +56,16 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 
     monkeypatch.setenv("RLHF_LOG_LEVEL", "DEBUG")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port = free_port()
     two_ranks = tiny_config(
         *COMMON,
         "sft.micro_batch_size=2",
         "distributed.num_processes=2",
-        f"distributed.master_port={free_port()}",
+        f"distributed.master_port={port}",
     )
     log = RankLog()
     launch_stage("sft", two_ranks, tmp_path / "two", log, data_dir=data_dir)
+    assert_no_shared_buffers_left(port)
 
     assert log.world_sizes() == {0: 2, 1: 2}
     assert_disjoint_shards(log.samples(), world_size=2)

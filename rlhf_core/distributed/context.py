@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,6 +88,20 @@ def init_process_group(context: RankContext) -> None:
             f"the process group has {torch.distributed.get_world_size()} ranks, "
             f"WORLD_SIZE says {context.world_size}"
         )
+    torch.distributed.barrier()  # every rank has mapped every other rank's buffer by now
+    shared_allreduce_buffer(context.rank).unlink(missing_ok=True)
+
+
+def shared_allreduce_buffer(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU all-reduce creates for `rank` when all ranks share a node.
+
+    DeepSpeed (ops/csrc/cpu/comm/shm.cpp) names it after the user, `MASTER_ADDR` and `MASTER_PORT` and
+    never removes it: each two-rank CPU run would leave 2 x 69 MB in /dev/shm (RAM) for good.
+    `init_process_group` unlinks this rank's file once every rank has mapped it; the mappings live on
+    until the processes exit, as with any unlinked file.
+    """
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
 
 
 def stage_context(distributed: DistributedConfig) -> RankContext:
