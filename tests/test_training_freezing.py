@@ -9,7 +9,6 @@ from rlhf_core.training.freezing import (
     count_trainable_parameters,
     enable_gradient_checkpointing,
     freeze_all_but_top_layers,
-    sparse_gradient_into_tied_head,
 )
 
 
@@ -131,34 +130,3 @@ def test_gradient_checkpointing_with_frozen_lower_blocks_gives_the_same_gradient
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-6), name
     with pytest.raises(ValueError, match="no Hugging Face PreTrainedModel"):
         enable_gradient_checkpointing(nn.Linear(2, 2))
-
-
-def tied_model_gradient(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """The tied embedding's gradient after two micro-batches of a next-token loss on `ids`."""
-    model.zero_grad(set_to_none=True)
-    for rows in (ids[:2], ids[2:]):
-        logits = model(input_ids=rows).logits
-        nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten()).backward()
-    return model.get_input_embeddings().weight.grad
-
-
-def test_a_tied_embedding_passes_a_sparse_gradient_and_the_parameter_gets_the_same_dense_one() -> None:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config(tie_word_embeddings=True))
-    ids = torch.randint(0, 32, (4, 9))
-    dense = tied_model_gradient(model, ids).clone()
-    assert sparse_gradient_into_tied_head(model)
-    assert model.get_input_embeddings().sparse
-    sparse = tied_model_gradient(model, ids)
-    assert sparse.layout == torch.strided  # what the optimizer and the gradient clipping need
-    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-7)
-
-
-def test_untied_or_frozen_embeddings_keep_dense_gradients() -> None:
-    torch.manual_seed(0)
-    untied = LlamaForCausalLM(tiny_config(tie_word_embeddings=False))
-    assert not sparse_gradient_into_tied_head(untied)
-    frozen = LlamaForCausalLM(tiny_config(tie_word_embeddings=True))
-    freeze_all_but_top_layers(frozen, 1)  # a tied head is frozen with the embedding
-    assert not sparse_gradient_into_tied_head(frozen)
-    assert not untied.get_input_embeddings().sparse and not frozen.get_input_embeddings().sparse

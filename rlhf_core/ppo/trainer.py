@@ -38,10 +38,10 @@ from rlhf_core.ppo.update import PPOUpdate
 from rlhf_core.ppo.validation import Validator
 from rlhf_core.progress import bars_enabled
 from rlhf_core.training.checkpoint import TrainingState, latest_checkpoint
-from rlhf_core.training.freezing import sparse_gradient_into_tied_head
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop import seed_everything
 from rlhf_core.training.precision import autocast
+from rlhf_core.training.vocabulary_gradients import accumulate_vocabulary_gradients_in_place
 
 log = logging.getLogger(__name__)
 SAMPLES_PER_TABLE = 4
@@ -85,12 +85,14 @@ class PPOTrainer:
         self.device = next(models.policy.parameters()).device
         models.reference.requires_grad_(False).eval()
         make_trainable(models.policy, config.trainable_top_layers, config.lora, seed)
-        sparse_gradient_into_tied_head(models.policy)
         make_trainable(
             models.critic, config.trainable_top_layers, config.lora, seed, heads=[models.critic.value_head]
         )
-        self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
         self.context = rank_context()
+        if not self.context.is_distributed:  # DeepSpeed takes each gradient from autograd itself
+            accumulate_vocabulary_gradients_in_place(models.policy)
+            accumulate_vocabulary_gradients_in_place(models.critic.backbone)
+        self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
         self.critic_pretraining = PlateauStop(
             config.critic_pretrain_steps, config.critic_pretrain_patience, config.critic_pretrain_min_improvement
         )

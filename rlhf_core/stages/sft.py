@@ -62,9 +62,10 @@ from rlhf_core.stages.training_run import (
 )
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.checkpoint import latest_checkpoint
-from rlhf_core.training.freezing import enable_gradient_checkpointing, sparse_gradient_into_tied_head
+from rlhf_core.training.freezing import enable_gradient_checkpointing
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import run_evaluation, total_steps, train
+from rlhf_core.training.vocabulary_gradients import accumulate_vocabulary_gradients_in_place
 
 Metrics = dict[str, float]
 
@@ -197,7 +198,8 @@ def _train(
     """Measure the base model, train with the shared loop, save model/, and return the stage's figures."""
     settings = config.sft
     make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed)
-    sparse_gradient_into_tied_head(model)
+    if not context.is_distributed:  # DeepSpeed takes each gradient from autograd itself
+        accumulate_vocabulary_gradients_in_place(model)
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     device = next(model.parameters()).device

@@ -60,26 +60,6 @@ def freeze_all_but_top_layers(model: nn.Module, n: int | None) -> int:
     return count_trainable_parameters(model)
 
 
-def sparse_gradient_into_tied_head(model: PreTrainedModel) -> bool:
-    """Let a causal LM's trainable input embedding, tied to its output head, pass a sparse gradient.
-
-    Dense, the embedding's backward fills a vocabulary-sized zero matrix, scatters the batch's rows
-    into it and adds it to the head's gradient: two passes over the whole matrix per backward (for the
-    tiny model's 49152 x 64 embedding a quarter of a policy micro-batch's forward and backward). Sparse,
-    autograd adds its rows to the head's dense gradient (one copy of the matrix), so the parameter's
-    gradient stays dense and holds the same sum. Only for a model whose every loss reads the head's logits (the SFT
-    model, the PPO policy): alone, a sparse gradient would reach the optimizer, which needs dense ones.
-    Returns whether it applied (False: not tied, or frozen).
-    """
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(embedding, nn.Embedding) or head is None or head.weight is not embedding.weight:
-        return False
-    if not embedding.weight.requires_grad:
-        return False
-    embedding.sparse = True
-    return True
-
-
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute block activations in backward instead of storing them (memory for ~30% more compute).
 
