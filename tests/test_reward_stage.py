@@ -151,9 +151,13 @@ def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) ->
         "best_step",
     ):
         assert cached[name] == pytest.approx(plain.metrics[name], rel=1e-5, abs=1e-6), name
+    # Weights: the two runs multiply matrices of other shapes (float rounding), and Adam turns a rounding-level
+    # change of a near-zero gradient into up to a learning rate (1e-3) of update. So: every element within a
+    # tenth of one step, and the mean difference at rounding level (a wrong cache moves every element).
     ours = RewardModel.from_pretrained(tmp_path / "cached" / "model").state_dict()
     for name, tensor in RewardModel.from_pretrained(tmp_path / "plain" / "model").state_dict().items():
-        assert torch.allclose(ours[name], tensor, atol=1e-5), name
+        difference = (ours[name] - tensor).abs()
+        assert float(difference.max()) < 1e-4 and float(difference.mean()) < 1e-7, name
 
 
 def test_token_budget_batching_trains(data_dir: Path, tmp_path: Path) -> None:
