@@ -1,7 +1,10 @@
 """The cache policy of the stage tasks: keyed on content, and a hit only while the cached output is intact.
 
 A stage's cache key is the sha256 of
-- the stage name and the installed version of this project (new code invalidates old results),
+- the stage name and the code's fingerprint (`code_fingerprint`: this project's version and the content of
+  every `rlhf_core` source file), so new code invalidates old results even where the version string did
+  not change (an editable install, a checkout between releases). A change anywhere in the library
+  invalidates every stage: conservative, never stale;
 - `config.seed` and the hash of each config section the stage reads (`keyed_section_hash`: without
   `data.source`, which says where the raw data is; its content enters as the data version),
 - the content hash of each upstream input: the data version (`DataSource`) and the `sha256` of each
@@ -20,6 +23,7 @@ records live next to them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from prefect.context import TaskRunContext
 from prefect.logging import get_logger
 from prefect.results import ResultStore
 
+import rlhf_core
 from rlhf_core.config import Config
 from tasks.outputs import StageOutput
 
@@ -81,10 +86,10 @@ class StageCachePolicy(CachePolicy):
 
 
 def stage_cache_key(stage: str, config: Config, config_sections: tuple[str, ...], input_hashes: dict[str, str]) -> str:
-    """sha256 over the stage, the code version, the seed, the section hashes and the input hashes."""
+    """sha256 over the stage, the code's fingerprint, the seed, the section hashes and the input hashes."""
     payload = {
         "stage": stage,
-        "code_version": project_version(),
+        "code": code_fingerprint(),
         "seed": config.seed,
         "sections": {name: keyed_section_hash(config, name) for name in config_sections},
         "inputs": input_hashes,
@@ -100,6 +105,23 @@ def keyed_section_hash(config: Config, name: str) -> str:
         return config.section_hash(name)
     payload = json.dumps(getattr(config, name).model_dump(mode="json", exclude=excluded), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """This project's version and `source_fingerprint` of the installed `rlhf_core` package (once per process)."""
+    return f"{project_version()}+{source_fingerprint(Path(rlhf_core.__file__).parent)}"
+
+
+def source_fingerprint(root: Path) -> str:
+    """sha256 over every ``*.py`` file below `root`: its path relative to `root` and its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix().encode()
+        content = path.read_bytes()
+        digest.update(b"%d:%s%d:" % (len(name), name, len(content)))
+        digest.update(content)
+    return digest.hexdigest()
 
 
 def project_version() -> str:

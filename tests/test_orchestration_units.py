@@ -16,7 +16,7 @@ from rlhf_core.distributed.launcher import RankFailedError
 from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.stages.training_run import ResumeMismatchError
 from tasks.artifacts import read_samples, summary_markdown
-from tasks.caching import stage_cache_key
+from tasks.caching import code_fingerprint, source_fingerprint, stage_cache_key
 from tasks.data_source import resolve_data_source
 from tasks.lineage import config_sha256, dependency_set_sha256, git_state
 from tasks.outputs import StageOutput, directory_sha256, output_sha256
@@ -104,6 +104,30 @@ def test_cache_key_depends_on_own_sections_and_inputs_only(tiny_config) -> None:
     assert stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], {"data": "e" * 64}) != sft_key
     reseeded = tiny_config.model_copy(update={"seed": tiny_config.seed + 1})
     assert stage_cache_key("sft", reseeded, STAGE_SECTIONS["sft"], inputs) != sft_key
+
+
+def test_cache_key_changes_with_the_code(tiny_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = {"data": "d" * 64}
+    key = stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs)
+    assert code_fingerprint().endswith("+" + source_fingerprint(REPO / "rlhf_core"))  # the library's sources
+    monkeypatch.setattr("tasks.caching.code_fingerprint", lambda: "0.2.0+" + "f" * 64)
+    assert stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs) != key
+
+
+def test_source_fingerprint_follows_python_sources_only(tmp_path: Path) -> None:
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "sft.py").write_text("LR = 1e-5\n")
+    (tmp_path / "losses.py").write_text("def loss(): ...\n")
+    first = source_fingerprint(tmp_path)
+    (tmp_path / "README.md").write_text("docs do not count")
+    (tmp_path / "stages" / "sft.pyc").write_bytes(b"compiled files do not count")
+    assert source_fingerprint(tmp_path) == first
+    (tmp_path / "stages" / "sft.py").write_text("LR = 2e-5\n")
+    assert source_fingerprint(tmp_path) != first
+    (tmp_path / "stages" / "sft.py").write_text("LR = 1e-5\n")
+    assert source_fingerprint(tmp_path) == first
+    (tmp_path / "stages" / "sft.py").rename(tmp_path / "stages" / "reward.py")  # same bytes, another module
+    assert source_fingerprint(tmp_path) != first
 
 
 @pytest.mark.parametrize(
