@@ -32,8 +32,8 @@ from rlhf_core.models.chat import Messages, encode_prompt
 from rlhf_core.models.heads import Critic
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.lean_engine import DTYPES, LeanEngine
-from rlhf_core.ppo.monitors import Metrics, experience_monitors
 from rlhf_core.ppo.losses import at_least_float32
+from rlhf_core.ppo.monitors import Metrics, experience_monitors
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.rollout import (
