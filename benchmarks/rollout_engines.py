@@ -6,8 +6,9 @@
 For each rollout batch size, on the same fixed-length prompts (`workload.py`), each engine generates
 `--response-length` tokens per prompt (no stop token, so every reply is full length) `--repeats` times from
 the same seed: `hf` (transformers `generate` on the policy), `lean` (float32, the default `inverse_cdf`
-sampler), `lean-multinomial` (float32, drawing as `generate` does, so its tokens equal `hf`'s) and
-`lean-bf16` (`ppo.rollout.dtype: bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
+sampler and C kernel), `lean-onednn` (the same with `ppo.rollout.kernel: onednn`), `lean-multinomial`
+(float32, drawing as `generate` does, so its tokens equal `hf`'s) and `lean-bf16` (`ppo.rollout.dtype:
+bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
 the share of the bound's speed reached (generation_bounds.py), whether its tokens equal `hf`'s, and its
 log-probs of the tokens it sampled against the float32 scoring pass the trainer uses
 (`rollout.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
@@ -45,11 +46,12 @@ from rlhf_core.ppo.rollout_engine import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ENGINES = {  # name: (ppo.rollout.engine, dtype, sampler)
-    "hf": ("hf", "float32", "multinomial"),
-    "lean": ("lean", "float32", "inverse_cdf"),
-    "lean-multinomial": ("lean", "float32", "multinomial"),
-    "lean-bf16": ("lean", "bfloat16", "inverse_cdf"),
+ENGINES = {  # name: (ppo.rollout.engine, dtype, sampler, kernel)
+    "hf": ("hf", "float32", "multinomial", "blocked"),
+    "lean": ("lean", "float32", "inverse_cdf", "blocked"),
+    "lean-onednn": ("lean", "float32", "inverse_cdf", "onednn"),
+    "lean-multinomial": ("lean", "float32", "multinomial", "blocked"),
+    "lean-bf16": ("lean", "bfloat16", "inverse_cdf", "onednn"),
 }
 
 
@@ -120,8 +122,8 @@ def measure_batch(
     results: dict[str, Any] = {}
     reference: Generation | None = None
     for name in args.engines.split(","):
-        kind, dtype, sampler = ENGINES[name]
-        settings = RolloutConfig(max_new_tokens=length, engine=kind, dtype=dtype, sampler=sampler)
+        kind, dtype, sampler, kernel = ENGINES[name]
+        settings = RolloutConfig(max_new_tokens=length, engine=kind, dtype=dtype, sampler=sampler, kernel=kernel)
         params = SamplingParams(settings, (), pad_id=0)
         engine = HFGenerateEngine(policy) if kind == "hf" else LeanEngine(policy, settings, batch)
         seconds, generation = time_engine(engine, prompt, params, args.repeats, device)

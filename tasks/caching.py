@@ -113,10 +113,13 @@ def code_fingerprint() -> str:
     return f"{project_version()}+{source_fingerprint(Path(rlhf_core.__file__).parent)}"
 
 
+SOURCE_SUFFIXES = (".py", ".c")  # the library's Python modules and the lean engine's C kernel
+
+
 def source_fingerprint(root: Path) -> str:
-    """sha256 over every ``*.py`` file below `root`: its path relative to `root` and its bytes."""
+    """sha256 over every source file below `root` (`SOURCE_SUFFIXES`): its path relative to `root` and its bytes."""
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
         name = path.relative_to(root).as_posix().encode()
         content = path.read_bytes()
         digest.update(b"%d:%s%d:" % (len(name), name, len(content)))

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
+from rlhf_core.ppo import blocked_linear
 
 pytest_plugins = ["fixtures.servers"]
 
@@ -26,6 +27,13 @@ def tokenizer() -> PreTrainedTokenizerBase:
     """The real SmolLM2 tokenizer (the tiny models use it too); one per module, so no test sees
     another module's changes to it."""
     return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lean_engine_kernel_built() -> None:
+    """The lean engine's C kernel, built (or loaded from its cache) once before any test: a build runs
+    the compiler, a process that a test body without the `slow` mark may not start (below)."""
+    blocked_linear.library()
 
 
 @pytest.fixture(scope="module")

@@ -114,11 +114,15 @@ def test_cache_key_changes_with_the_code(tiny_config, monkeypatch: pytest.Monkey
     assert stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs) != key
 
 
-def test_source_fingerprint_follows_python_sources_only(tmp_path: Path) -> None:
+def test_source_fingerprint_follows_python_and_c_sources_only(tmp_path: Path) -> None:
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "sft.py").write_text("LR = 1e-5\n")
     (tmp_path / "losses.py").write_text("def loss(): ...\n")
+    (tmp_path / "kernel.c").write_text("void f(void) {}\n")
     first = source_fingerprint(tmp_path)
+    (tmp_path / "kernel.c").write_text("void f(void) { }\n")
+    assert source_fingerprint(tmp_path) != first
+    (tmp_path / "kernel.c").write_text("void f(void) {}\n")
     (tmp_path / "README.md").write_text("docs do not count")
     (tmp_path / "stages" / "sft.pyc").write_bytes(b"compiled files do not count")
     assert source_fingerprint(tmp_path) == first

@@ -9,6 +9,7 @@ from pydantic import Field
 from rlhf_core.config.base import Section
 
 Sampler = Literal["inverse_cdf", "multinomial"]
+Kernel = Literal["blocked", "onednn"]
 
 
 class GenerationConfig(Section):
@@ -34,4 +35,10 @@ class RolloutConfig(GenerationConfig):
         description="Lean engine's draw (rlhf_core/ppo/sampling.py), both exact: inverse_cdf, one uniform per reply "
         "(~0.5 ms a step); multinomial, torch.multinomial as generate draws (its tokens for a seed; ~10 ms a step). "
         "The hf engine always draws as generate does.",
+    )
+    kernel: Kernel = Field(
+        "blocked",
+        description="Lean engine's float32 CPU matrix product, both float32: blocked, the project's C kernel built on "
+        "first use with the system's C compiler (rlhf_core/ppo/blocked_linear.py; oneDNN where it cannot be built); "
+        "onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
     )

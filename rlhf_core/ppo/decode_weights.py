@@ -3,17 +3,25 @@
 Why a copy: a decode step multiplies a handful of rows (the rollout batch) by every weight matrix, so it
 is bound by how fast the weights stream from memory. PyTorch's default fp32 CPU matmul (MKL sgemm) reaches
 only a fraction of the measured bandwidth at such shapes (docs/rollout-engine.md: about 3 GB/s on
-SmolLM2's LM head and 5-7 GB/s on its blocks, against 15-25 GB/s for a plain copy), while oneDNN with the
-weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
-`torch.compile`'s CPU backend uses with frozen weights) runs the same products 1.5-4x faster. The
-reordered weights belong to the engine, as a serving engine's do (vLLM keeps its own copy too), and are
+SmolLM2's LM head and 5-7 GB/s on its blocks, against 15-25 GB/s for a plain copy). Each projection's copy
+is in the layout of the kernel that multiplies it (`Layout`, chosen by `ppo.rollout.kernel`):
+
+- `blocked` (float32 on CPU, the default): blocks of 16 output columns for the project's C kernel
+  (blocked_linear.py), which streams them at close to a plain read's speed;
+- `reordered`: oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
+  `torch.compile`'s CPU backend uses with frozen weights), 1.5-4x faster than MKL at these shapes; the
+  bfloat16 engine's layout (oneDNN's bf16 kernels use AMX or avx512_bf16), and the float32 one where the C
+  kernel cannot be built or `ppo.rollout.kernel: onednn` asks for it;
+- `plain`: the weight as it is, for `F.linear` (CUDA, or a CPU build without oneDNN).
+
+The weights belong to the engine, as a serving engine's do (vLLM keeps its own copy too), and are
 refreshed from the policy by `DecoderWeights.refresh` before each rollout: only the parts the optimizer
 can have changed (a parameter with `requires_grad`) or whose tensors were replaced or written in place
 (storage pointer or version counter moved) are rebuilt, so with the CPU default of 4 trained blocks a
-refresh reorders 4 of SmolLM2's 30 blocks (and copies the final norm), not the embedding-sized LM head.
+refresh rebuilds 4 of SmolLM2's 30 blocks (and copies the final norm), not the embedding-sized LM head.
 
-fp32 weights give the policy's own distribution up to float32 rounding (oneDNN sums in another order than
-MKL: differences of ~1e-6 relative, the same size as those between HF `generate` and the scoring pass).
+fp32 weights give the policy's own distribution up to float32 rounding (each kernel sums in its own
+order: differences of ~1e-6 relative, the same size as those between HF `generate` and the scoring pass).
 bf16 weights (`ppo.rollout.dtype: bfloat16`) halve the bytes per step and use the CPU's native bf16 dot
 products, but sample from a different distribution; see `lean_engine.py` for what that means for PPO.
 
@@ -25,16 +33,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from rlhf_core.config.generation import Kernel
 from rlhf_core.huge_pages import collapse_into_huge_pages
+from rlhf_core.ppo.blocked_linear import blocked_linear, library, pad_bias, to_blocks
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 VersionKey = tuple[tuple[int, int], ...]
+Layout = Literal["blocked", "reordered", "plain"]
 
 
 def supported(model: PreTrainedModel) -> str | None:
@@ -59,6 +71,13 @@ def can_reorder(device: torch.device) -> bool:
     )
 
 
+def choose_layout(device: torch.device, dtype: torch.dtype, kernel: Kernel) -> Layout:
+    """The projections' layout (module doc) for `ppo.rollout.kernel` = `kernel` ("blocked" or "onednn")."""
+    if kernel == "blocked" and device.type == "cpu" and dtype == torch.float32 and library() is not None:
+        return "blocked"
+    return "reordered" if can_reorder(device) else "plain"
+
+
 def effective_linear(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     """The (weight, bias) a Linear layer applies: with peft LoRA adapters, W + sum of (alpha / r) B A."""
     base = getattr(module, "base_layer", None)
@@ -79,17 +98,17 @@ def version_key(tensors: Iterable[Tensor]) -> VersionKey:
 
 @dataclass(frozen=True)
 class Linear:
-    """One (possibly fused) projection: oneDNN's reordered weight on CPU, a plain weight elsewhere."""
+    """One (possibly fused) projection, its weight in `layout` (module doc)."""
 
     weight: Tensor
     bias: Tensor | None
-    reordered: bool
+    layout: Layout
+    out_features: int
 
     @classmethod
-    def build(
-        cls, parts: list[tuple[Tensor, Tensor | None]], dtype: torch.dtype, reorder: bool, rows: int
-    ) -> Linear:
-        """The projections `parts` ((weight [out, in], bias) each) stacked into one, in `dtype`."""
+    def build(cls, parts: list[tuple[Tensor, Tensor | None]], dtype: torch.dtype, layout: Layout, rows: int) -> Linear:
+        """The projections `parts` ((weight [out, in], bias) each) stacked into one, in `dtype`; `rows` is
+        the batch size oneDNN's reordered layout is tuned for (any batch works)."""
         weight = torch.cat([w.detach() for w, _ in parts]).to(dtype).contiguous()
         biases = [b for _, b in parts]
         bias = None
@@ -97,20 +116,26 @@ class Linear:
             bias = torch.cat(
                 [b.detach() if b is not None else w.new_zeros(w.shape[0]) for (w, _), b in zip(parts, biases)]
             ).to(dtype)
-        if reorder:
+        out_features = weight.shape[0]
+        if layout == "blocked":
+            blocks = to_blocks(weight)
+            return cls(weight=blocks, bias=pad_bias(bias, blocks), layout=layout, out_features=out_features)
+        if layout == "reordered":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        return cls(weight=weight, bias=bias, reordered=reorder)
+        return cls(weight=weight, bias=bias, layout=layout, out_features=out_features)
 
     def span(self) -> tuple[int, int]:
         """The weight's memory, ``[start, end)`` (oneDNN's own buffer when reordered)."""
-        if self.reordered:
+        if self.layout == "reordered":
             start = torch.ops.mkldnn.data_ptr(self.weight)
             return start, start + torch.ops.mkldnn._nbytes(self.weight)
         start = self.weight.data_ptr()
         return start, start + self.weight.untyped_storage().nbytes()
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.reordered:
+        if self.layout == "blocked":
+            return blocked_linear(x, self.weight, self.bias, self.out_features)
+        if self.layout == "reordered":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -135,23 +160,23 @@ def _block_sources(block: nn.Module) -> list[Tensor]:
     return list(block.parameters())
 
 
-def _build_block(block: nn.Module, dtype: torch.dtype, reorder: bool, rows: int) -> Block:
+def _build_block(block: nn.Module, dtype: torch.dtype, layout: Layout, rows: int) -> Block:
     attention, mlp = block.self_attn, block.mlp
     qkv = [effective_linear(attention.q_proj), effective_linear(attention.k_proj), effective_linear(attention.v_proj)]
     return Block(
         input_norm=block.input_layernorm.weight.detach().to(dtype),
         post_norm=block.post_attention_layernorm.weight.detach().to(dtype),
-        qkv=Linear.build(qkv, dtype, reorder, rows),
-        o=Linear.build([effective_linear(attention.o_proj)], dtype, reorder, rows),
-        gate_up=Linear.build([effective_linear(mlp.gate_proj), effective_linear(mlp.up_proj)], dtype, reorder, rows),
-        down=Linear.build([effective_linear(mlp.down_proj)], dtype, reorder, rows),
+        qkv=Linear.build(qkv, dtype, layout, rows),
+        o=Linear.build([effective_linear(attention.o_proj)], dtype, layout, rows),
+        gate_up=Linear.build([effective_linear(mlp.gate_proj), effective_linear(mlp.up_proj)], dtype, layout, rows),
+        down=Linear.build([effective_linear(mlp.down_proj)], dtype, layout, rows),
     )
 
 
 class DecoderWeights:
     """The policy's weights in the engine's layout, plus the model constants the decoder needs."""
 
-    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, rows: int) -> None:
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, rows: int, kernel: Kernel = "blocked") -> None:
         problem = supported(model)
         if problem is not None:
             raise ValueError(f"ppo.rollout.engine=lean cannot run this policy: {problem}; use engine hf")
@@ -159,7 +184,7 @@ class DecoderWeights:
         self.dtype = dtype
         self.rows = rows  # the batch size the reordered layout is tuned for (any batch works)
         self.device = next(model.parameters()).device
-        self.reorder = can_reorder(self.device)
+        self.layout = choose_layout(self.device, dtype, kernel)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -178,7 +203,7 @@ class DecoderWeights:
 
         def block(index: int) -> Callable[[], list[Linear]]:
             def build() -> list[Linear]:
-                self.blocks[index] = _build_block(layers[index], self.dtype, self.reorder, self.rows)
+                self.blocks[index] = _build_block(layers[index], self.dtype, self.layout, self.rows)
                 return self.blocks[index].linears()
 
             return build
@@ -217,5 +242,5 @@ class DecoderWeights:
     def _build_head(self, embedding: Tensor, lm_head: nn.Module) -> list[Linear]:
         embedding = embedding.detach()
         self.embedding = embedding if embedding.dtype == self.dtype else embedding.to(self.dtype)
-        self.lm_head = Linear.build([(lm_head.weight, lm_head.bias)], self.dtype, self.reorder, self.rows)
+        self.lm_head = Linear.build([(lm_head.weight, lm_head.bias)], self.dtype, self.layout, self.rows)
         return [self.lm_head]

@@ -1,9 +1,10 @@
 """The lean rollout engine: a plain sampling loop over `llama_decoder`, without `generate`'s machinery.
 
 Per rollout: one prefill of the left-padded prompts into a preallocated KV cache, then one decode step per
-reply token, each a single-row-per-prompt forward through the engine's reordered weights
-(decode_weights.py). Sampling repeats `generate`'s: the same logits processors in the same order
-(transformers' repetition penalty, temperature and top-p classes, each only when switched on), ``softmax``
+reply token, each a single-row-per-prompt forward through the engine's own copy of the weights
+(decode_weights.py: blocks for the C kernel of blocked_linear.py, or oneDNN's reordered layout).
+Sampling repeats `generate`'s: the same logits processors in the same order (transformers' repetition
+penalty, temperature and top-p classes, each only when switched on), ``softmax``
 to the ``[B, vocab]`` float32 probabilities, one draw per row from torch's global generator
 (`ppo.rollout.sampler`, sampling.py), a finished row's token replaced by the pad id, a stop once every
 row has emitted a stop id or the length cap is reached. With the `multinomial` sampler, float32 weights
@@ -77,7 +78,7 @@ class LeanEngine:
         self, policy: PreTrainedModel, settings: RolloutConfig, rollout_batch_size: int, trunk_layers: int | None = None
     ) -> None:
         self.dtype = DTYPES[settings.dtype]
-        self.weights = DecoderWeights(policy, self.dtype, rows=rollout_batch_size)
+        self.weights = DecoderWeights(policy, self.dtype, rows=rollout_batch_size, kernel=settings.kernel)
         self.trunk_layers = trunk_layers
 
     def sync_weights(self, policy: PreTrainedModel) -> None:
