@@ -31,6 +31,7 @@ SHAPES = [  # (leading dims of x, in_features, out_features): tails of row tiles
     ((8,), 64, 96),
     ((2, 13), 37, 100),
     ((70,), 256, 112),  # enough work that two threads split it
+    ((200,), 1536, 48),  # more rows than one chunk (84 at this width): three chunks, the last a partial one
 ]
 
 
