@@ -39,7 +39,7 @@ from prefect.results import ResultStore
 
 import rlhf_core
 from rlhf_core.config import Config
-from tasks.outputs import StageOutput
+from tasks.outputs import StageOutput, files_sha256
 
 PROJECT_DISTRIBUTION = "rlhf-pipeline"
 KEYS_SUBDIR = "keys"
@@ -117,14 +117,8 @@ SOURCE_SUFFIXES = (".py", ".c")  # the library's Python modules and the lean eng
 
 
 def source_fingerprint(root: Path) -> str:
-    """sha256 over every source file below `root` (`SOURCE_SUFFIXES`): its path relative to `root` and its bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
-        name = path.relative_to(root).as_posix().encode()
-        content = path.read_bytes()
-        digest.update(b"%d:%s%d:" % (len(name), name, len(content)))
-        digest.update(content)
-    return digest.hexdigest()
+    """`files_sha256` of every source file below `root` (`SOURCE_SUFFIXES`): relative paths and contents."""
+    return files_sha256(root, [path for path in root.rglob("*") if path.suffix in SOURCE_SUFFIXES and path.is_file()])
 
 
 def project_version() -> str:

@@ -13,6 +13,7 @@ rerun that reproduces the same model bytes leaves the stages after it cached.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -65,13 +66,18 @@ def file_sha256(path: Path) -> str:
 
 
 def directory_sha256(directory: Path) -> str:
-    """One hash over the relative path and content of every hashed file, in sorted order.
+    """`files_sha256` of every hashed file in `directory` (`hashed_files`)."""
+    return files_sha256(directory, hashed_files(directory))
+
+
+def files_sha256(root: Path, files: Iterable[Path]) -> str:
+    """One hash over the path relative to `root` and the content of each of `files`, in sorted order.
 
     Paths enter the hash too, so renaming or moving a file changes it, not only editing one.
     """
     digest = hashlib.sha256()
-    for path in sorted(hashed_files(directory)):
-        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+    for path in sorted(files):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(file_sha256(path).encode() + b"\n")
     return digest.hexdigest()
 
