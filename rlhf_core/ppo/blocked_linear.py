@@ -123,7 +123,7 @@ def pad_bias(bias: Tensor | None, blocks: Tensor) -> Tensor | None:
     """The bias as float32, zero-padded to the blocks' width (None stays None)."""
     if bias is None:
         return None
-    return F.pad(bias.detach().float(), (0, blocks.shape[0] * BLOCK - bias.shape[0])).contiguous()
+    return F.pad(bias.detach().float(), (0, blocks.shape[0] * BLOCK - bias.shape[0]))
 
 
 def blocked_linear(x: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
