@@ -29,6 +29,8 @@ SHAPES = [  # (leading dims of x, in_features, out_features): tails of row tiles
     ((1,), 64, 16),
     ((3,), 5, 40),
     ((8,), 64, 96),
+    ((9,), 48, 32),  # one row more than AVX2's single tile: tiles of 6 and 3
+    ((12,), 64, 32),  # AVX-512's single tile; two AVX2 tiles of 6
     ((2, 13), 37, 100),
     ((70,), 256, 112),  # enough work that two threads split it
     ((200,), 1536, 48),  # more rows than one chunk (84 at this width): three chunks, the last a partial one
