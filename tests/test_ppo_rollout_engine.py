@@ -20,6 +20,7 @@ from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.lora import add_lora_adapters
 from rlhf_core.models.tiny import build_tiny_model
+from rlhf_core.ppo import decode_weights
 from rlhf_core.ppo.experience_maker import PPOModels, make_rollout_engine
 from rlhf_core.ppo.lean_engine import LeanEngine, logits_processors
 from rlhf_core.ppo.rollout import (
@@ -246,6 +247,16 @@ def test_bf16_weights_stay_within_the_stated_log_prob_error(
     assert got.logprobs is not None
     gap = (got.logprobs - scored).abs()[real]
     assert 0 < gap.mean() < BF16_LOGPROB_TOLERANCE  # not float32 (> 0), yet close
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_weights_use_onednn_only_where_the_cpu_has_native_bf16(
+    native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(decode_weights, "native_bf16", lambda: native)
+    layout = decode_weights.choose_layout(torch.device("cpu"), torch.bfloat16, "blocked")
+    assert layout == ("reordered" if native else "plain")  # oneDNN refuses a bf16 reorder without it
+    assert ("without native bf16" in caplog.text) is not native
 
 
 def test_a_seed_gives_its_own_stream_and_leaves_the_global_one(

@@ -12,7 +12,8 @@ is in the layout of the kernel that multiplies it (`Layout`, chosen by `ppo.roll
   `torch.compile`'s CPU backend uses with frozen weights), 1.5-4x faster than MKL at these shapes; the
   bfloat16 engine's layout (oneDNN's bf16 kernels use AMX or avx512_bf16), and the float32 one where the C
   kernel cannot be built or `ppo.rollout.kernel: onednn` asks for it;
-- `plain`: the weight as it is, for `F.linear` (CUDA, or a CPU build without oneDNN).
+- `plain`: the weight as it is, for `F.linear` (CUDA, a CPU build without oneDNN, or bfloat16 on a CPU
+  without native bf16, where oneDNN refuses the reorder).
 
 The weights belong to the engine, as a serving engine's do (vLLM keeps its own copy too), and are
 refreshed from the policy by `DecoderWeights.refresh` before each rollout: only the parts the optimizer
@@ -31,6 +32,7 @@ LoRA adapters (peft) are merged into the copy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -48,6 +50,8 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 VersionKey = tuple[tuple[int, int], ...]
 Layout = Literal["blocked", "reordered", "plain"]
 
+log = logging.getLogger(__name__)
+
 
 def supported(model: PreTrainedModel) -> str | None:
     """Why the lean engine cannot run `model` (None when it can)."""
@@ -62,12 +66,19 @@ def supported(model: PreTrainedModel) -> str | None:
     return None
 
 
-def can_reorder(device: torch.device) -> bool:
-    """Whether oneDNN's reordered-weight linear is available for `device` (CPU builds with mkldnn)."""
+def native_bf16() -> bool:
+    """Whether this CPU has the instructions oneDNN's bf16 kernels need (avx512_bf16, AMX, avx_ne_convert)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def can_reorder(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's reordered-weight linear is available for `device` and `dtype` (CPU builds with
+    mkldnn; for bfloat16, a CPU with native bf16, without which oneDNN refuses the reorder)."""
     return (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or native_bf16())
     )
 
 
@@ -75,7 +86,12 @@ def choose_layout(device: torch.device, dtype: torch.dtype, kernel: Kernel) -> L
     """The projections' layout (module doc) for `ppo.rollout.kernel` = `kernel` ("blocked" or "onednn")."""
     if kernel == "blocked" and device.type == "cpu" and dtype == torch.float32 and library() is not None:
         return "blocked"
-    return "reordered" if can_reorder(device) else "plain"
+    if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
+        log.warning(
+            "ppo.rollout.dtype=bfloat16 on a CPU without native bf16 (avx512_bf16, AMX): torch emulates it, "
+            "far slower than float32 (docs/rollout-engine.md); use ppo.rollout.dtype=float32 here"
+        )
+    return "reordered" if can_reorder(device, dtype) else "plain"
 
 
 def effective_linear(module: nn.Module) -> tuple[Tensor, Tensor | None]:
