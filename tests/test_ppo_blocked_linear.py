@@ -100,6 +100,26 @@ def test_the_library_is_keyed_by_its_source_and_written_whole(
     assert [path.name for path in target.parent.iterdir()] == [target.name]  # nothing half-written left
 
 
+X86_LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4"]  # SSE2, AVX2, AVX-512: each of the kernel's vector widths
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="compiles for x86-64 levels")
+@pytest.mark.parametrize("level", X86_LEVELS)
+def test_the_kernel_uses_whole_registers_at_every_x86_level(level: str, tmp_path: Path) -> None:
+    """The build's flags (without -march=native) turn GCC's 'expanded piecewise' warning, the sign of a
+    vector wider than the registers, into an error; every x86 level the kernel has a tile for compiles."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    assert compiler is not None
+    flags = [flag for flag in kernel.FLAGS if flag != "-march=native"]
+    built = subprocess.run(
+        [compiler, *flags, f"-march={level}", "-o", str(tmp_path / "kernel.so"), str(kernel.SOURCE)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert "piecewise" not in built.stderr
+
+
 @pytest.fixture
 def no_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A process where `cc` cannot be found: the kernel's cached load is forgotten before and after."""
