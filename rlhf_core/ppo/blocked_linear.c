@@ -52,7 +52,7 @@
 
 typedef float vec __attribute__((vector_size(VECTOR_FLOATS * sizeof(float))));
 
-/* rows (1..MAX_TILE_ROWS) of x times blocks (1..TILE_BLOCKS) of w, into y; constant arguments after
+/* rows (1..MAX_TILE_ROWS) of x times blocks (1 or 2) of w, into y; constant arguments after
  * inlining, so the accumulators live in registers. Vector c of a row covers output columns
  * c * VECTOR_FLOATS ..: part c % PARTS of block c / PARTS. */
 static inline __attribute__((always_inline)) void tile(
@@ -60,12 +60,12 @@ static inline __attribute__((always_inline)) void tile(
     const float *bias, float *y, long ldy)
 {
     const int vectors = blocks * PARTS;
-    vec acc[MAX_TILE_ROWS][TILE_BLOCKS * PARTS];
+    vec acc[MAX_TILE_ROWS][2 * PARTS];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < vectors; c++)
             acc[r][c] = bias ? *(const vec *)(bias + VECTOR_FLOATS * c) : (vec){0};
     for (long i = 0; i < k; i++) {
-        vec column[TILE_BLOCKS * PARTS];
+        vec column[2 * PARTS];
         for (int b = 0; b < blocks; b++) {
             __builtin_prefetch(w + b * block_stride + (i + PREFETCH_STEPS) * BLOCK);
             for (int p = 0; p < PARTS; p++)
@@ -82,7 +82,8 @@ static inline __attribute__((always_inline)) void tile(
             __builtin_memcpy(y + r * ldy + VECTOR_FLOATS * c, &acc[r][c], sizeof(vec));
 }
 
-#if TILE_BLOCKS == 2
+/* One case of the switch on a tile's rows; `blocks` is the constant 1 where TILE_BLOCKS is 1, so the
+ * two-block tile is compiled only where it is used. */
 #define TILE_CASE(ROWS)                                                                      \
     case ROWS:                                                                               \
         if (blocks == 2)                                                                     \
@@ -90,12 +91,6 @@ static inline __attribute__((always_inline)) void tile(
         else                                                                                 \
             tile(ROWS, 1, x_rows, k, w_tile, block_stride, bias_tile, y_rows, ldy);          \
         break;
-#else
-#define TILE_CASE(ROWS)                                                                      \
-    case ROWS:                                                                               \
-        tile(ROWS, 1, x_rows, k, w_tile, block_stride, bias_tile, y_rows, ldy);              \
-        break;
-#endif
 
 /* Rows `start` .. `end` - 1 of x against the pair of blocks `pair` (its second block may not exist), in
  * tiles of `tile_rows` rows. */
@@ -113,7 +108,6 @@ static void pair_times_rows(
             const float *w_tile = w + first * block_stride;
             const float *bias_tile = bias ? bias + first * BLOCK : NULL;
             float *y_rows = y + row * ldy + first * BLOCK;
-            (void)blocks; /* read only where TILE_BLOCKS is 2 */
             switch (rows) {
                 TILE_CASE(1) TILE_CASE(2) TILE_CASE(3)
 #if MAX_TILE_ROWS >= 6

@@ -86,12 +86,14 @@ def choose_layout(device: torch.device, dtype: torch.dtype, kernel: Kernel) -> L
     """The projections' layout (module doc) for `ppo.rollout.kernel` = `kernel` ("blocked" or "onednn")."""
     if kernel == "blocked" and device.type == "cpu" and dtype == torch.float32 and library() is not None:
         return "blocked"
-    if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
+    if can_reorder(device, dtype):
+        return "reordered"
+    if device.type == "cpu" and dtype == torch.bfloat16:
         log.warning(
             "ppo.rollout.dtype=bfloat16 on a CPU without native bf16 (avx512_bf16, AMX): torch emulates it, "
             "far slower than float32 (docs/rollout-engine.md); use ppo.rollout.dtype=float32 here"
         )
-    return "reordered" if can_reorder(device, dtype) else "plain"
+    return "plain"
 
 
 def effective_linear(module: nn.Module) -> tuple[Tensor, Tensor | None]:
