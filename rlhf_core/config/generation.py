@@ -39,6 +39,6 @@ class RolloutConfig(GenerationConfig):
     kernel: Kernel = Field(
         "blocked",
         description="Lean engine's float32 CPU matrix product: blocked, the project's C kernel built on "
-        "first use with the system's C compiler (rlhf_core/ppo/blocked_linear.py; oneDNN where it cannot be built); "
+        "first use with the system's C compiler (rlhf_core/ppo/c_library.py; oneDNN where it cannot be built); "
         "onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
     )

@@ -44,7 +44,8 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config.generation import Kernel
 from rlhf_core.huge_pages import collapse_into_huge_pages
-from rlhf_core.ppo.blocked_linear import blocked_linear, library, pad_bias, to_blocks
+from rlhf_core.ppo.blocked_linear import blocked_linear, pad_bias, to_blocks
+from rlhf_core.ppo.c_library import library
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 VersionKey = tuple[tuple[int, int], ...]

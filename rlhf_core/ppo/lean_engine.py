@@ -1,8 +1,9 @@
 """The lean rollout engine: a plain sampling loop over `llama_decoder`, without `generate`'s machinery.
 
-Per rollout: one prefill of the left-padded prompts into a preallocated KV cache, then one decode step per
-reply token, each a single-row-per-prompt forward through the engine's own copy of the weights
-(decode_weights.py: blocks for the C kernel of blocked_linear.py, or oneDNN's reordered layout).
+Per rollout: one prefill of the left-padded prompts into a preallocated KV cache (llama_decoder.py), then
+one decode step per reply token, each a single-row-per-prompt forward through the engine's own copy of the
+weights (decode_weights.py): in C with the blocked layout (decode_step.py, around the C kernel of
+blocked_linear.py), else in PyTorch (llama_decoder.py, oneDNN's reordered layout).
 Sampling repeats `generate`'s: the same logits processors in the same order (transformers' repetition
 penalty, temperature and top-p classes, each only when switched on), ``softmax``
 to the ``[B, vocab]`` float32 probabilities, one draw per row from torch's global generator
@@ -35,13 +36,14 @@ from transformers.generation.logits_process import (
 )
 
 from rlhf_core.config.generation import GenerationConfig, RolloutConfig
+from rlhf_core.ppo.decode_step import DecodeStep, usable
 from rlhf_core.ppo.decode_weights import DecoderWeights
 from rlhf_core.ppo.llama_decoder import (
     Capture,
     KVCache,
     Positions,
+    TorchStep,
     next_token_logits,
-    run_blocks,
 )
 from rlhf_core.ppo.rollout_engine import (
     Generation,
@@ -123,6 +125,7 @@ class LeanEngine:
         logprobs = torch.zeros(batch, limit, device=prompt_ids.device)
         unfinished = torch.ones(batch, dtype=torch.bool, device=prompt_ids.device)
         logits = next_token_logits(self.weights, prompt_ids, cache, 0, positions, capture)
+        step = (DecodeStep if usable(self.weights) else TorchStep)(self.weights, cache, positions, capture)
         steps = 0
         while steps < limit:
             scores = processors(ids[:, : width + steps], logits)
@@ -136,7 +139,7 @@ class LeanEngine:
             steps += 1
             if steps == limit or not bool(unfinished.any()):
                 break
-            logits = next_token_logits(self.weights, token[:, None], cache, width + steps - 1, positions, capture)
+            logits = step.logits(token, width + steps - 1)
         if capture is not None:
-            run_blocks(self.weights, token[:, None], cache, width + steps - 1, positions, capture, stop=capture.layer)
+            step.lower_blocks(token, width + steps - 1, stop=capture.layer)
         return ids[:, width : width + steps], logprobs[:, :steps]

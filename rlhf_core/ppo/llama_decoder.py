@@ -178,3 +178,21 @@ def next_token_logits(
     x = run_blocks(weights, ids, cache, start, positions, capture)
     last = rms_norm(x[:, -1], weights.norm, weights.eps)
     return weights.lm_head(last).float()
+
+
+@dataclass(frozen=True)
+class TorchStep:
+    """One rollout's decode step through the functions above (`decode_step.DecodeStep` is its C twin)."""
+
+    weights: DecoderWeights
+    cache: KVCache
+    positions: Positions
+    capture: Capture | None
+
+    def logits(self, tokens: Tensor, column: int) -> Tensor:
+        """Float32 logits ``[B, vocab]`` after the tokens ``[B]`` at cache column `column`."""
+        return next_token_logits(self.weights, tokens[:, None], self.cache, column, self.positions, self.capture)
+
+    def lower_blocks(self, tokens: Tensor, column: int, stop: int) -> None:
+        """Blocks ``0 .. stop - 1`` only, for their cache column and the capture (no logits)."""
+        run_blocks(self.weights, tokens[:, None], self.cache, column, self.positions, self.capture, stop=stop)
