@@ -32,7 +32,9 @@ STEPS = 4
 TOLERANCE = 1e-5  # float32 sums in another order, through 2-3 blocks
 
 
-def prepared(weights: DecoderWeights, prompt: tuple[torch.Tensor, torch.Tensor], layer: int):
+def prepared(
+    weights: DecoderWeights, prompt: tuple[torch.Tensor, torch.Tensor], layer: int
+) -> tuple[KVCache, Positions, Capture, torch.Tensor]:
     """A cache, positions and a capture after PyTorch's prefill of `prompt`."""
     ids, mask = prompt
     cache = KVCache.allocate(weights, ids.shape[0], ids.shape[1] + STEPS)

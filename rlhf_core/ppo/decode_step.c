@@ -39,9 +39,9 @@ struct layer {
 };
 
 struct model {
-    long hidden, heads, kv_heads, head_dim, intermediate, layers;
+    long hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
-    const struct layer *layer; /* [layers] */
+    const struct layer *layer; /* one per block */
     const float *norm;         /* the final norm's weight [hidden] */
     struct linear lm_head;
 };
@@ -95,8 +95,8 @@ static float dot(const float *a, const float *b, long n)
     return sum;
 }
 
-/* The queries of kv head `group` (heads / kv_heads of them, consecutive in `query`) over keys and
- * values 0 .. column of one row's cache, into `out` (the same heads' places in `attended`). */
+/* The query heads that share one kv head (heads / kv_heads of them, consecutive in `query`) over that
+ * head's keys and values 0 .. column in one row's cache, into `out` (those heads' places in `attended`). */
 static void attend_group(
     const struct model *m, const struct rollout *r, const float *query, const float *keys, const float *values,
     const unsigned char *key_mask, long column, float *out)

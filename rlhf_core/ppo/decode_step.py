@@ -42,7 +42,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [
         ("hidden", LONG), ("heads", LONG), ("kv_heads", LONG), ("head_dim", LONG), ("intermediate", LONG),
-        ("layers", LONG), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)), ("norm", POINTER),
+        ("eps", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)), ("norm", POINTER),
         ("lm_head", _Linear),
     ]  # fmt: skip
 
@@ -72,8 +72,9 @@ def _layer(block: Block) -> _Layer:
 
 
 def usable(weights: DecoderWeights) -> bool:
-    """Whether `weights` can decode in C: the blocked layout (float32, CPU, the library built)."""
-    return weights.layout == "blocked" and library() is not None
+    """Whether `weights` can decode in C: the blocked layout, which `decode_weights.choose_layout` picks only
+    for float32 on a CPU where the library built."""
+    return weights.layout == "blocked"
 
 
 class DecodeStep:
@@ -91,9 +92,8 @@ class DecodeStep:
         first = weights.blocks[0]
         hidden, intermediate = weights.embedding.shape[1], first.gate_up.out_features // 2
         self._model = _Model(
-            hidden, weights.num_heads, weights.num_kv_heads, weights.head_dim, intermediate, len(weights.blocks),
-            weights.eps, ctypes.cast(self._layers, ctypes.POINTER(_Layer)), weights.norm.data_ptr(),
-            _linear(weights.lm_head),
+            hidden, weights.num_heads, weights.num_kv_heads, weights.head_dim, intermediate, weights.eps,
+            ctypes.cast(self._layers, ctypes.POINTER(_Layer)), weights.norm.data_ptr(), _linear(weights.lm_head),
         )  # fmt: skip
         batch, length = cache.keys.shape[1], cache.keys.shape[3]
         # every tensor the C side points into, kept alive here
