@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_core.config import TinyModelConfig
+from rlhf_core.config import RewardConfig, TinyModelConfig
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.blocks import final_hidden_states, only_blocks
 from rlhf_core.models.chat import end_of_turn_id
@@ -17,7 +17,7 @@ from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.reward.batch import collate_pairs, encode_pairs
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
-from rlhf_core.reward.scoring import pair_outputs, score_pair_batches, scores_at_reply_end
+from rlhf_core.reward.scoring import pair_outputs, score_pair_batches, side_outputs
 from rlhf_core.sft.batch import IGNORE_INDEX
 from rlhf_core.stages.reward import count_pairs_and_tokens, reward_loss_fn
 from rlhf_core.training.batching import fixed_size_plan
@@ -78,7 +78,21 @@ def test_scores_equal_reward_model_forward(tokenizer: PreTrainedTokenizerBase, s
         for sequences in (batch.chosen, batch.rejected):
             expected = model(sequences.input_ids, sequences.attention_mask, sequences.reply_start).scores
             hidden = final_hidden_states(model.backbone, sequences.input_ids, sequences.attention_mask)
-            assert torch.allclose(scores_at_reply_end(model, hidden, sequences), expected, atol=1e-6)
+            assert torch.allclose(side_outputs(model, hidden, sequences).scores, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_reply_lengths_count_the_reply_tokens_before_its_end_of_turn(
+    tokenizer: PreTrainedTokenizerBase, side: str
+) -> None:
+    encoded = encode_pairs(tokenizer, PAIRS, 128).pairs
+    batch = collate_pairs(encoded, [0, 1, 2, 3], tokenizer.pad_token_id, side)
+    model = reward_model(tokenizer).eval()
+    eot = end_of_turn_id(tokenizer)
+    expected = [pair.chosen.input_ids[pair.chosen.reply_start :].index(eot) for pair in encoded]
+    with torch.no_grad():
+        hidden = final_hidden_states(model.backbone, batch.chosen.input_ids, batch.chosen.attention_mask)
+        assert side_outputs(model, hidden, batch.chosen).lengths.tolist() == expected
 
 
 def test_lm_term_equals_the_cross_entropy_of_the_models_own_logits(
@@ -188,7 +202,7 @@ def one_step_weights(
     def collate(indices: list[int]):  # noqa: ANN202
         return collate_pairs([encoded[i] for i in indices], indices, tokenizer.pad_token_id)
 
-    train(model, plan, collate, count_pairs_and_tokens, reward_loss_fn(cache, beta_rm=1.0), config)
+    train(model, plan, collate, count_pairs_and_tokens, reward_loss_fn(cache, RewardConfig(beta_rm=1.0)), config)
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 

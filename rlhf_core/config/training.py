@@ -44,6 +44,9 @@ class SFTConfig(TrainingConfig):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up.")
 
 
+LengthDebias = Literal["none", "balanced", "length_term", "odin"]
+
+
 class RewardConfig(TrainingConfig):
     """Reward model: ranking loss + beta_rm * LM loss on the chosen reply (paper eq. 2, section 4.2)."""
 
@@ -59,6 +62,16 @@ class RewardConfig(TrainingConfig):
         "fixed", description="fixed: micro_batch_size pairs; token_budget: the paper's dynamic batching."
     )
     token_budget: int = Field(4096, gt=0, description="Padded tokens per micro-batch (token_budget).")
+    length_debias: LengthDebias = Field(
+        "none",
+        description="Separate quality from reply length (docs/length-debias.md): none; balanced: "
+        "length-balanced training pairs; length_term: a learned length term in the ranking logit; odin: "
+        "ODIN's quality and length heads (PPO and the judge read the quality head).",
+    )
+    odin_correlation_weight: float = Field(
+        1.0, ge=0, description="odin: weight of |rho(quality, length)| - rho(length head, length)."
+    )
+    odin_orthogonality_weight: float = Field(1.0, ge=0, description="odin: weight of |w_quality . w_length|.")
     cache_frozen_layers: bool = Field(
         True,
         description="With trainable_top_layers: compute the frozen lower blocks once per sequence and "

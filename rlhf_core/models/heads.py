@@ -74,6 +74,10 @@ class RewardModel(nn.Module):
         self.score_head = score_head
         self.lm_head = lm_head
         self.eot_id = eot_id
+        # A training-only head of `reward.length_debias` (rlhf_core/reward/length_debias.py): it takes the
+        # length out of score_head during training and is never saved, so everything that loads the
+        # model (PPO, the judge) scores with score_head alone.
+        self.length_head: nn.Module | None = None
 
     @classmethod
     def from_causal_lm(

@@ -28,12 +28,32 @@ Side = Literal["chosen", "rejected"]
 
 
 @dataclass(frozen=True)
-class PairOutputs:
-    """Scores [P] of both sides of a pair batch, and the summed NLL of the chosen reply tokens (or None)."""
+class SideOutputs:
+    """One side of a pair batch: r(x, y) [P] from the score head, the reply lengths in tokens [P], and the
+    training-only length head's scores [P] when the model has one (rlhf_core/reward/length_debias.py)."""
 
-    chosen_scores: Tensor
-    rejected_scores: Tensor
+    scores: Tensor
+    lengths: Tensor
+    length_scores: Tensor | None
+
+
+@dataclass(frozen=True)
+class PairOutputs:
+    """Both sides of a pair batch, and the summed NLL of the chosen reply tokens (or None)."""
+
+    chosen: SideOutputs
+    rejected: SideOutputs
     lm_nll_sum: Tensor | None
+
+    @property
+    def chosen_scores(self) -> Tensor:
+        """r(x, y_chosen) [P]."""
+        return self.chosen.scores
+
+    @property
+    def rejected_scores(self) -> Tensor:
+        """r(x, y_rejected) [P]."""
+        return self.rejected.scores
 
 
 @dataclass(frozen=True)
@@ -51,10 +71,14 @@ class PairScores:
         return self.chosen - self.rejected
 
 
-def scores_at_reply_end(model: RewardModel, hidden: Tensor, batch: SequenceBatch) -> Tensor:
-    """r(x, y) [B]: the score head on the hidden state [B, T, H] at each reply's end-of-turn token."""
+def side_outputs(model: RewardModel, hidden: Tensor, batch: SequenceBatch) -> SideOutputs:
+    """The heads on the final hidden state [B, T, H] at each reply's end-of-turn token, and the reply
+    lengths: the tokens from the reply's start up to (not counting) that end token."""
     ends = reply_end_positions(batch.input_ids, batch.attention_mask, model.eot_id, batch.reply_start)
-    return model.score_head(hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]).squeeze(-1)
+    end_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]  # [B, H]
+    lengths = ends - torch.as_tensor(batch.reply_start, device=ends.device)
+    length_scores = None if model.length_head is None else model.length_head(end_hidden, lengths)
+    return SideOutputs(model.score_head(end_hidden).squeeze(-1), lengths, length_scores)
 
 
 def side_hidden_states(
@@ -80,8 +104,8 @@ def pair_outputs(
             raise ValueError("the LM loss term needs a reward model built with keep_lm_head=True")
         lm_nll_sum = reply_token_nll(model.lm_head, chosen_hidden, batch.chosen.labels)
     return PairOutputs(
-        chosen_scores=scores_at_reply_end(model, chosen_hidden, batch.chosen),
-        rejected_scores=scores_at_reply_end(model, rejected_hidden, batch.rejected),
+        chosen=side_outputs(model, chosen_hidden, batch.chosen),
+        rejected=side_outputs(model, rejected_hidden, batch.rejected),
         lm_nll_sum=lm_nll_sum,
     )
 

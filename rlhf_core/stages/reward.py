@@ -44,6 +44,7 @@ from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.reward.batch import EncodedPairs, PairBatch, collate_pairs, encode_pairs, padded_pair_length
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
+from rlhf_core.reward.length_debias import length_balanced_pairs, logit_scores, new_length_head, odin_penalty
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
 from rlhf_core.reward.metrics import pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
@@ -109,9 +110,10 @@ def initial_reward_model(
     model = RewardModel.from_causal_lm(
         lm, end_of_turn_id(tokenizer), keep_lm_head=settings.beta_rm > 0, seed=config.seed
     ).to(device)
-    make_trainable(
-        model, settings.trainable_top_layers, settings.lora, config.seed, heads=[model.score_head]
-    )
+    dtype = model.score_head.weight.dtype
+    model.length_head = new_length_head(settings.length_debias, model.score_head.in_features, config.seed, dtype, device)
+    heads = [model.score_head] + ([model.length_head] if model.length_head is not None else [])
+    make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed, heads=heads)
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model, tokenizer, init_hashes
@@ -169,13 +171,19 @@ def count_pairs_and_tokens(batch: PairBatch) -> dict[str, int]:
 
 
 def reward_loss_fn(
-    cache: FrozenLowerCache | None, beta_rm: float
+    cache: FrozenLowerCache | None, settings: RewardConfig
 ) -> Callable[[nn.Module, PairBatch, dict[str, int]], tuple[Tensor, Metrics]]:
-    """The loop's loss_fn: eq. (2) for a micro-batch, normalised by the optimizer step's totals."""
+    """The loop's loss_fn: eq. (2) for a micro-batch, normalised by the optimizer step's totals.
+
+    With a length head (`reward.length_debias`: length_term, odin) the ranking term compares r + r_L;
+    odin adds its penalties, weighted by the micro-batch's share of the step's pairs so a step's
+    penalty is the mean over its micro-batches whatever their split. Accuracy and margin are of r alone.
+    """
+    beta_rm = settings.beta_rm
 
     def loss_fn(model: nn.Module, batch: PairBatch, totals: dict[str, int]) -> tuple[Tensor, Metrics]:
         outputs = pair_outputs(model, batch, cache, with_lm_loss=beta_rm > 0)
-        ranking = ranking_loss_sum(outputs.chosen_scores, outputs.rejected_scores)
+        ranking = ranking_loss_sum(logit_scores(outputs.chosen), logit_scores(outputs.rejected))
         loss = reward_model_loss(ranking, outputs.lm_nll_sum, totals["pairs"], totals["tokens"], beta_rm)
         margins = (outputs.chosen_scores - outputs.rejected_scores).detach()
         metrics = {
@@ -183,6 +191,16 @@ def reward_loss_fn(
             "accuracy": float((margins > 0).sum()) / totals["pairs"],
             "margin": float(margins.sum()) / totals["pairs"],
         }
+        if settings.length_debias == "odin":
+            penalty = odin_penalty(
+                outputs,
+                model.score_head.weight,
+                model.length_head.weight,
+                settings.odin_correlation_weight,
+                settings.odin_orthogonality_weight,
+            )
+            loss = loss + penalty * (len(batch.indices) / totals["pairs"])
+            metrics["odin_penalty"] = penalty.item() * len(batch.indices) / totals["pairs"]
         if outputs.lm_nll_sum is not None:
             metrics["lm_loss"] = outputs.lm_nll_sum.item() / totals["tokens"]
         return loss, metrics
@@ -221,9 +239,13 @@ def encode_reward_pairs(
     settings: RewardConfig,
     data_dir: Path,
     train_split: TrainSplit,
+    seed: int,
 ) -> tuple[EncodedPairs, EncodedPairs]:
-    """The training and validation pairs, encoded; refuses a split with nothing usable."""
+    """The training and validation pairs, encoded (the training pairs length-balanced with
+    `reward.length_debias: balanced`); refuses a split with nothing usable."""
     train_pairs = encode_pairs(tokenizer, train_records, settings.max_length)
+    if settings.length_debias == "balanced":
+        train_pairs = length_balanced_pairs(train_pairs, seed)
     val_pairs = encode_pairs(tokenizer, val_records, settings.max_length)
     if not val_pairs.pairs:
         raise ValueError(f"{data_dir}: the rm_val split has no usable pairs; the reward model cannot be selected")
@@ -277,7 +299,9 @@ def _run_train_rm(
     device = training_device()
     model, tokenizer, init_hashes = initial_reward_model(config, sft_dir, device)
     pad_id = tokenizer.pad_token_id
-    train_pairs, val_pairs = encode_reward_pairs(tokenizer, train_records, val_records, settings, data_dir, train_split)
+    train_pairs, val_pairs = encode_reward_pairs(
+        tokenizer, train_records, val_records, settings, data_dir, train_split, config.seed
+    )
     train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
     val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, pad_id)
     model_dir = out_dir / MODEL_DIR
@@ -309,7 +333,7 @@ def _run_train_rm(
             plan,
             collate,
             count_pairs_and_tokens,
-            reward_loss_fn(train_cache, settings.beta_rm),
+            reward_loss_fn(train_cache, settings),
             loop,
             evaluate=evaluate,
             select_best=("val/accuracy", "max"),
