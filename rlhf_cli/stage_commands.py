@@ -138,10 +138,11 @@ def score_pairs(
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
 ) -> None:
-    """Score every pair of a file with a trained reward model; print accuracy and its 95% interval."""
+    """Score every pair of a file with a trained reward model; print accuracy and its 95% interval, and the
+    skill beyond length (balanced and length-matched accuracy, docs/stages-sft-rm.md)."""
     from rlhf_core.stages.score_pairs import score_pair_file
 
     resolved = resolve_config(params, config, set_)
     result = score_pair_file(resolved, model, data, out)
     left_out = f"; left out {result.rows_dropped} unreadable rows and {result.pairs_too_long} too-long pairs"
-    typer.echo(f"score-pairs: {result.accuracy.describe()}{left_out}")
+    typer.echo(f"score-pairs: {result.accuracy.describe()}; {result.length.describe()}{left_out}")

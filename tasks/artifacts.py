@@ -59,8 +59,46 @@ class ProgressArtifactLogger:
             self.shown_percent = percent
 
 
+def length_skill_markdown(metrics: Mapping[str, float], prefix: str = "val/") -> list[str]:
+    """A reward model's skill beyond reply length (docs/stages-sft-rm.md) as a short table, from its
+    metrics.json figures under `prefix` (rlhf_core/reward/length_metrics.py); no lines without them."""
+    if f"{prefix}length_rule_accuracy" not in metrics:
+        return []
+
+    def show(name: str, form: str = ".3f") -> str:
+        return format(metrics[prefix + name], form) if prefix + name in metrics else "n/a"
+
+    direction = "shorter" if metrics.get(f"{prefix}length_rule_prefers_shorter") else "longer"
+    groups = (
+        f"chosen shorter {show('accuracy_chosen_shorter')} on {show('pairs_chosen_shorter', '.0f')}, "
+        f"chosen longer {show('accuracy_chosen_longer')} on {show('pairs_chosen_longer', '.0f')}"
+    )
+    matched = (
+        f"{show('length_matched_accuracy')} ({show('length_matched_accuracy_low')}-"
+        f"{show('length_matched_accuracy_high')}) on {show('length_matched_pairs', '.0f')} pairs"
+    )
+    gain = (
+        f"{show('auc_gain_over_length', '+.3f')} ({show('auc_gain_over_length_low', '+.3f')} to "
+        f"{show('auc_gain_over_length_high', '+.3f')})"
+    )
+    return [
+        "## Skill beyond length",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| accuracy | {show('accuracy')} ({show('accuracy_low')}-{show('accuracy_high')}) |",
+        f"| length rule ({direction} reply wins) | {show('length_rule_accuracy')} |",
+        f"| balanced accuracy | {show('balanced_accuracy')} ({groups}) |",
+        f"| length-matched accuracy | {matched} |",
+        f"| AUC gain over length | {gain} |",
+        f"| reward-length Spearman | {show('reward_length_spearman', '+.2f')} |",
+        "",
+    ]
+
+
 def summary_markdown(output: StageOutput, mlflow_link: str) -> str:
-    """A short report of a finished stage: where its output is, its hash, its final metrics."""
+    """A short report of a finished stage: where its output is, its hash, a reward model's skill beyond
+    length (`length_skill_markdown`), its final metrics."""
     lines = [
         f"# Stage `{output.stage}`",
         "",
@@ -71,7 +109,7 @@ def summary_markdown(output: StageOutput, mlflow_link: str) -> str:
     if output.model_dir is not None:
         lines.append(f"- model: `{output.model_dir}`")
     if output.metrics:
-        lines += ["", "| metric | value |", "|---|---|"]
+        lines += ["", *length_skill_markdown(output.metrics), "| metric | value |", "|---|---|"]
         lines += [f"| {name} | {value:.6g} |" for name, value in sorted(output.metrics.items())]
     return "\n".join(lines) + "\n"
 

@@ -231,6 +231,27 @@ def test_summary_markdown_names_output_hash_run_and_metrics(tmp_path: Path) -> N
     text = summary_markdown(output, "http://mlflow/#/runs/1")
     assert f"`{tmp_path}`" in text and "`" + "ab" * 8 + "`" in text and "http://mlflow/#/runs/1" in text
     assert "| kl | 0.0123456 |" in text and "| reward | 1 |" in text
+    assert "Skill beyond length" not in text  # not a reward model
+
+
+def test_summary_markdown_shows_a_reward_models_skill_beyond_length(tmp_path: Path) -> None:
+    metrics = {
+        "val/accuracy": 0.65, "val/accuracy_low": 0.607, "val/accuracy_high": 0.69,
+        "val/length_rule_accuracy": 0.572, "val/length_rule_prefers_shorter": 1.0,
+        "val/balanced_accuracy": 0.6236, "val/accuracy_chosen_shorter": 0.789, "val/pairs_chosen_shorter": 289.0,
+        "val/accuracy_chosen_longer": 0.458, "val/pairs_chosen_longer": 216.0,
+        "val/length_matched_pairs": 0.0, "val/auc_gain_over_length": 0.051,
+        "val/auc_gain_over_length_low": 0.02, "val/auc_gain_over_length_high": 0.08, "val/reward_length_spearman": -0.55,
+    }
+    output = StageOutput(stage="reward", out_dir=tmp_path, sha256="ab" * 32, metrics=metrics)
+    text = summary_markdown(output, "run-1")
+    assert "| accuracy | 0.650 (0.607-0.690) |" in text
+    assert "| length rule (shorter reply wins) | 0.572 |" in text
+    assert "| balanced accuracy | 0.624 (chosen shorter 0.789 on 289, chosen longer 0.458 on 216) |" in text
+    assert "| length-matched accuracy | n/a (n/a-n/a) on 0 pairs |" in text  # no length-matched pair
+    assert "| AUC gain over length | +0.051 (+0.020 to +0.080) |" in text
+    assert "| reward-length Spearman | -0.55 |" in text
+    assert "| val/balanced_accuracy | 0.6236 |" in text  # and every figure in the full table
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.monitors import (
     SampleTable,
     experience_monitors,
+    reward_length_monitor,
     sample_rows,
     validation_monitors,
 )
@@ -98,6 +99,18 @@ def test_experience_monitors_match_loops() -> None:
     assert set(metrics) == set(expected)
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
+
+
+def test_reward_length_monitor_ranks_scores_against_reply_lengths() -> None:
+    # Reply lengths without the end-of-turn token: 3 - 1, 4, 1 - 1, 5 - 1, 2 -> 2, 4, 0, 4, 2 (ties average).
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    finished = torch.tensor([True, False, True, True, False])
+    scores = torch.tensor([0.5, 2.0, -1.0, 1.0, 0.7])
+    score_ranks, length_ranks = np.array([2.0, 5.0, 1.0, 4.0, 3.0]), np.array([2.5, 4.5, 1.0, 4.5, 2.5])
+    expected = np.corrcoef(score_ranks, length_ranks)[0, 1]
+    assert reward_length_monitor(scores, mask, finished) == {"reward/length_spearman": pytest.approx(expected)}
+    # The fixed batch's two replies both have 2 tokens: no correlation to speak of, so none is logged.
+    assert reward_length_monitor(torch.tensor(SCORES), torch.tensor(MASK), torch.tensor(FINISHED)) == {}
 
 
 def test_validation_monitors_match_loops() -> None:

@@ -63,6 +63,8 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics == result.metrics and metrics["steps_completed"] == total and metrics["guard_stopped"] == 0
     assert metrics["val/reward_initial"] == rows[0]["val/reward"]
+    # The reward's rank correlation with length on the first rollout (the SFT policy's replies), when defined.
+    assert metrics.get("reward_length_spearman_sft") == rows[1].get("reward/length_spearman")
     assert [path.name for path in complete_checkpoints(out / "checkpoints")] == [f"step-{total:08d}"]
     model, tokenizer = load_causal_lm(out / "model")
     assert model.generation_config.eos_token_id == [tokenizer.convert_tokens_to_ids("<|im_end|>")]

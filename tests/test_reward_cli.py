@@ -83,10 +83,13 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
     line = scored.stdout.strip().splitlines()[-1]
     assert line.startswith("score-pairs: accuracy ") and "(95% CI " in line and "on 60 pairs" in line
     assert "left out 1 unreadable rows" in line
+    assert "balanced accuracy" in line and "length-matched" in line and "length rule" in line
     written = json.loads((workspace / "scores" / "metrics.json").read_text())
     assert (
         written["pairs"] == 60 and written["accuracy_low"] <= written["accuracy"] <= written["accuracy_high"]
     )
+    assert {"length_rule_accuracy", "length_matched_pairs", "auc_gain_over_length"} <= set(written)
+    assert not any(name.startswith("val/") for name in written)
     assert (workspace / "scores" / "plots" / "reward_margin_hist.png").is_file()
     # The stage directory and its model/ are the same reward model.
     direct = score_pair_file(

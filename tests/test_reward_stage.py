@@ -7,12 +7,15 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fixtures.tiny_ppo import tiny_config
 
 from rlhf_core.config import Config
 from rlhf_core.models.heads import RewardModel
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES, length_skill
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import run_train_rm
@@ -107,6 +110,27 @@ def test_validation_pairs_table_holds_each_pair_with_both_scores(behaviour_run: 
     assert len({(row["source"], row["line"]) for row in rows}) == len(rows)  # each pair once, findable
 
 
+def test_skill_beyond_length_is_measured_on_the_table_of_validation_pairs(
+    behaviour_run: tuple[Path, dict[str, float]],
+) -> None:
+    out, metrics = behaviour_run
+    rows = [json.loads(line) for line in (out / VALIDATION_PAIRS_FILE).read_text().splitlines()]
+    tokenizer = load_tokenizer(out / "model")
+    for row in rows:  # the reply alone, in the reward model's tokens
+        assert row["tokens_chosen"] == len(tokenizer(row["chosen"], add_special_tokens=False)["input_ids"])
+        assert row["tokens_rejected"] == len(tokenizer(row["rejected"], add_special_tokens=False)["input_ids"])
+    names = ("score_chosen", "score_rejected", "tokens_chosen", "tokens_rejected")
+    columns = [np.array([row[name] for row in rows]) for name in names]
+    expected = length_skill(*columns, resamples=AUC_GAIN_RESAMPLES, seed=uncapped_config().seed)
+    figures = {name: value for name, value in metrics.items() if name.removeprefix("val/") in expected.figures()}
+    assert figures == pytest.approx(expected.figures("val/"), abs=1e-6)
+    assert {"val/length_rule_accuracy", "val/length_matched_pairs", "val/auc_gain_over_length_low"} <= set(figures)
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    validated = [row for row in history if "val/accuracy" in row]
+    # Periodic validations measure the cheap figures, without the AUC gain's bootstrap.
+    assert all("val/length_rule_accuracy" in row and "val/auc_gain_over_length_low" not in row for row in validated)
+
+
 def test_score_pairs_reports_each_scored_batch_to_its_progress_callback(
     behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
 ) -> None:
@@ -133,6 +157,11 @@ def test_saved_model_is_the_best_and_reproduces_the_metrics(
     rescored = score_pair_file(uncapped_config(), out, str(data_dir / "rm_val.parquet"))
     assert rescored.accuracy.accuracy == pytest.approx(metrics["val/accuracy"])
     assert rescored.accuracy.mean_margin == pytest.approx(metrics["val/margin_mean"], abs=1e-5)
+    # The same pairs in another order: the figures that do not resample agree.
+    rescored_figures = rescored.length.figures()
+    for name in ("length_rule_accuracy", "length_matched_pairs", "length_matched_accuracy", "reward_length_spearman"):
+        assert rescored_figures[name] == pytest.approx(metrics[f"val/{name}"], abs=1e-5), name
+    assert rescored.length.auc.gain == pytest.approx(metrics["val/auc_gain_over_length"], abs=1e-3)
 
 
 def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) -> None:

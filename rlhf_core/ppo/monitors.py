@@ -11,6 +11,8 @@ them every iteration. Conventions, so the numbers mean the same everywhere:
 
 The paper reads collapse from these: reward rising while the KL to the reference grows, response
 perplexity falling, response length drifting (its Figure 4); `guard.py` turns them into bounds.
+`reward/length_spearman` shows how much the reward pays for length alone (issue 27); on the first
+rollout, the SFT policy's replies, it is the PPO stage's `reward_length_spearman_sft`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rlhf_core.ppo.diagnostics import explained_variance
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.kl import kl_k1, kl_k3
 from rlhf_core.ppo.masked import masked_mean, masked_sum, masked_var
+from rlhf_core.reward.length_metrics import spearman_correlation
 from rlhf_core.training.logger import JsonlLogger
 
 Metrics = dict[str, float]
@@ -81,6 +84,14 @@ def length_monitors(response_mask: Tensor, finished: Tensor) -> Metrics:
     }
 
 
+def reward_length_monitor(scores: Tensor, response_mask: Tensor, finished: Tensor) -> Metrics:
+    """Spearman correlation of the raw scores ``[B]`` with the reply lengths: tokens without the
+    end-of-turn token, as evaluation counts a reply. Left out when undefined (constant scores or lengths)."""
+    lengths = response_mask.sum(dim=1) - finished.long()
+    correlation = spearman_correlation(scores.float().cpu().numpy(), lengths.cpu().numpy())
+    return {} if correlation is None else {"reward/length_spearman": correlation}
+
+
 def entropy_monitor(entropy: Tensor, mask: Tensor) -> Metrics:
     """Mean entropy of the policy's next-token distribution over the response positions."""
     return {"policy/entropy": float(masked_mean(entropy, mask))}
@@ -106,6 +117,7 @@ def experience_monitors(experience: Experience) -> Metrics:
         **kl_monitors(experience.logprobs, experience.ref_logprobs, mask),
         **perplexity_monitors(experience.logprobs, experience.ref_logprobs, mask),
         **length_monitors(mask, experience.finished),
+        **reward_length_monitor(experience.scores, mask, experience.finished),
         **entropy_monitor(experience.entropy, mask),
         **advantage_monitors(experience.advantages, experience.returns, experience.values, mask),
         "reward/total_mean": float(masked_sum(experience.rewards, mask, dim=1).mean()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -72,6 +73,20 @@ def encode_pairs(
         )
         kept.append(index)
     return EncodedPairs(pairs=encoded, kept=kept, too_long=too_long)
+
+
+def reply_tokens(conversation: EncodedConversation) -> int:
+    """Tokens of the reply alone: neither the prompt nor the end-of-turn token, as evaluation counts a
+    reply's length (rlhf_core/evaluation/generation.py)."""
+    return len(conversation.input_ids) - conversation.reply_start - 1
+
+
+def pair_reply_tokens(pairs: Sequence[EncodedPair]) -> tuple[np.ndarray, np.ndarray]:
+    """`reply_tokens` of every pair's chosen and rejected reply ([P] each): the lengths that
+    rlhf_core/reward/length_metrics.py judges a reward model's length bias by."""
+    chosen = np.array([reply_tokens(pair.chosen) for pair in pairs], dtype=np.int64)
+    rejected = np.array([reply_tokens(pair.rejected) for pair in pairs], dtype=np.int64)
+    return chosen, rejected
 
 
 def padded_pair_length(pair: EncodedPair) -> int:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_core.config.training import LengthDebias
-from rlhf_core.reward.batch import EncodedPairs
+from rlhf_core.reward.batch import EncodedPairs, pair_reply_tokens
 from rlhf_core.reward.scoring import PairOutputs, SideOutputs
 
 BALANCE_BINS = 5  # quantile bins of |len_chosen - len_rejected| in which `balanced` equalises the labels
@@ -160,11 +160,9 @@ def odin_penalty(
 
 
 def length_balanced_pairs(pairs: EncodedPairs, seed: int) -> EncodedPairs:
-    """The `balanced` mode's training pairs: the subset `length_balanced_indices` keeps (reply lengths in
-    tokens: each side's tokens from its reply start, the same end-of-turn tokens on both sides)."""
-    chosen = [len(pair.chosen.input_ids) - pair.chosen.reply_start for pair in pairs.pairs]
-    rejected = [len(pair.rejected.input_ids) - pair.rejected.reply_start for pair in pairs.pairs]
-    keep = length_balanced_indices(chosen, rejected, seed)
+    """The `balanced` mode's training pairs: the subset `length_balanced_indices` keeps."""
+    chosen, rejected = pair_reply_tokens(pairs.pairs)
+    keep = length_balanced_indices(chosen.tolist(), rejected.tolist(), seed)
     return EncodedPairs(
         pairs=[pairs.pairs[i] for i in keep], kept=[pairs.kept[i] for i in keep], too_long=pairs.too_long
     )

@@ -1,8 +1,9 @@
 """The selected reward model's scores on every validation pair, as a table people can read.
 
 One row per validation pair, in the order the pairs were scored: the prompt's last message, both replies,
-r(x, y_chosen), r(x, y_rejected) and their margin (positive: ranked correctly), with the file and line
-the pair came from. The reward stage writes it as validation_pairs.jsonl beside metrics.json, and its
+r(x, y_chosen), r(x, y_rejected) and their margin (positive: ranked correctly), both replies' lengths in
+the reward model's tokens (`reward.batch.reply_tokens`: the reply alone), with the file and line the
+pair came from. The reward stage writes it as validation_pairs.jsonl beside metrics.json, and its
 Prefect task publishes it as a table (tasks/stages.py).
 """
 
@@ -14,21 +15,21 @@ from pathlib import Path
 
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.data.records import PreferencePair
-from rlhf_core.reward.batch import PairBatch
+from rlhf_core.reward.batch import EncodedPairs, PairBatch, reply_tokens
 from rlhf_core.reward.scoring import PairScores
 
 VALIDATION_PAIRS_FILE = "validation_pairs.jsonl"
 
 
 def validation_pair_rows(
-    records: Sequence[PreferencePair], kept: Sequence[int], batches: Sequence[PairBatch], scores: PairScores
+    records: Sequence[PreferencePair], encoded: EncodedPairs, batches: Sequence[PairBatch], scores: PairScores
 ) -> list[dict[str, object]]:
     """The table's rows: `scores` are of `batches` in order, whose indices are positions among the encoded
-    pairs, and `kept[position]` is that pair's index in `records`."""
+    pairs `encoded.pairs`, and `encoded.kept[position]` is that pair's index in `records`."""
     positions = [position for batch in batches for position in batch.indices]
     rows = []
     for position, chosen, rejected in zip(positions, scores.chosen.tolist(), scores.rejected.tolist(), strict=True):
-        record = records[kept[position]]
+        record = records[encoded.kept[position]]
         rows.append(
             {
                 "prompt": record.prompt[-1]["content"],
@@ -37,6 +38,8 @@ def validation_pair_rows(
                 "score_chosen": chosen,
                 "score_rejected": rejected,
                 "margin": chosen - rejected,
+                "tokens_chosen": reply_tokens(encoded.pairs[position].chosen),
+                "tokens_rejected": reply_tokens(encoded.pairs[position].rejected),
                 "source": record.source,
                 "line": record.line,
             }

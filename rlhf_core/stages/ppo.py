@@ -140,8 +140,9 @@ def read_history(path: Path) -> list[dict[str, float]]:
 
 def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time: float) -> dict[str, float]:
     """The headline figures of metrics.json: the selected policy vs the SFT policy (paired, with its 95%
-    interval), how the run ended, the critic before the policy moved, and the first and last values of
-    the Figure-4 monitors."""
+    interval), how the run ended, the critic before the policy moved, the first and last values of
+    the Figure-4 monitors, and how the reward ranked the SFT policy's replies by length (the first
+    rollout's `reward/length_spearman`, kept in history.jsonl across resumes)."""
     selected = result.selection
     chosen_row = next(row for row in history if row["step"] == selected.step and "val/reward" in row)
     initial_row = next(row for row in history if row["step"] == 0 and "val/reward" in row)
@@ -170,6 +171,9 @@ def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time:
         started = [row for row in critic_rows if row["step"] > result.critic_pretrain_steps]
         if started:
             metrics["critic/explained_variance_pretrained"] = started[0]["values/explained_variance"]
+    first_rollout = next((row for row in history if row["step"] == 1), {})
+    if "reward/length_spearman" in first_rollout:  # the SFT policy's replies, before any update
+        metrics["reward_length_spearman_sft"] = first_rollout["reward/length_spearman"]
     trained = [row for row in history if row["step"] > 0]
     for name in HEADLINE_MONITORS:
         values = [row[name] for row in trained if name in row]

@@ -12,7 +12,8 @@ reused by every later epoch and validation (`reward.cache_frozen_layers`, rlhf_c
 
 The output model is the checkpoint with the best validation accuracy: every improvement is saved to
 model/ (loadable with `RewardModel.from_pretrained`, as PPO does). At the end that model is scored on
-every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses),
+every validation pair for metrics.json (accuracy with its 95% Wilson interval, mean margin, losses, and
+its skill beyond reply length: rlhf_core/reward/length_metrics.py, docs/stages-sft-rm.md),
 plots/reward_margin_hist.png (the paper's Figure 2) and validation_pairs.jsonl (each pair with both
 scores, rlhf_core/reward/validation_table.py); training_data.json records the splits it was
 trained and validated on and the model it started from (rlhf_core/reward/training_data.py). The same
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,9 +44,17 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.lora import make_trainable
-from rlhf_core.reward.batch import EncodedPairs, PairBatch, collate_pairs, encode_pairs, padded_pair_length
+from rlhf_core.reward.batch import (
+    EncodedPairs,
+    PairBatch,
+    collate_pairs,
+    encode_pairs,
+    padded_pair_length,
+    pair_reply_tokens,
+)
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
 from rlhf_core.reward.length_debias import length_balanced_pairs, logit_scores, new_length_head, odin_penalty
+from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES, length_skill
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
 from rlhf_core.reward.metrics import pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
@@ -147,9 +157,26 @@ def validation_batches(pairs: EncodedPairs, batch_size: int, seed: int, pad_id: 
     ]
 
 
-def validation_metrics(scores: PairScores, beta_rm: float) -> Metrics:
-    """Accuracy with its Wilson interval, mean margin, and the eq. (2) loss terms on validation pairs."""
+def scored_reply_tokens(pairs: EncodedPairs, batches: list[PairBatch]) -> tuple[np.ndarray, np.ndarray]:
+    """The chosen and rejected reply lengths ([P] each) of the pairs of `batches`, in the order they are scored."""
+    return pair_reply_tokens([pairs.pairs[position] for batch in batches for position in batch.indices])
+
+
+def validation_metrics(
+    scores: PairScores,
+    beta_rm: float,
+    reply_tokens: tuple[np.ndarray, np.ndarray],
+    resamples: int = 0,
+    seed: int = 0,
+) -> Metrics:
+    """Accuracy with its Wilson interval, mean margin, the eq. (2) loss terms, and the skill beyond length
+    (`reply_tokens`: both replies' lengths of the scored pairs) on validation pairs.
+
+    `resamples` = 0 (the periodic validations during training) leaves out the bootstrap interval of the
+    AUC gain, the one figure that costs more than the scoring's bookkeeping.
+    """
     accuracy = pair_accuracy(scores.margins)
+    skill = length_skill(scores.chosen, scores.rejected, *reply_tokens, resamples=resamples, seed=seed)
     ranking = ranking_loss_sum(torch.from_numpy(scores.chosen), torch.from_numpy(scores.rejected)).item()
     ranking /= accuracy.pairs
     lm_loss = scores.lm_nll_sum / scores.lm_tokens if scores.lm_tokens else 0.0
@@ -162,6 +189,7 @@ def validation_metrics(scores: PairScores, beta_rm: float) -> Metrics:
         "val/ranking_loss": ranking,
         "val/lm_loss": lm_loss,
         "val/loss": ranking + beta_rm * lm_loss,
+        **skill.figures("val/"),
     }
 
 
@@ -272,15 +300,18 @@ def final_metrics(
     val_batches: list[PairBatch],
     cache: FrozenLowerCache | None,
     out_dir: Path,
-    val_records: tuple[list[PreferencePair], list[int]],
+    val_records: list[PreferencePair],
+    val_pairs: EncodedPairs,
 ) -> Metrics:
-    """The selected model scored on every validation pair (metrics.json's figures), Figure 2 of them, and
-    the table of each pair's scores (`val_records`: the validation pairs and the indices of the encoded ones)."""
+    """The selected model scored on every validation pair (metrics.json's figures, with the AUC gain's
+    bootstrap interval), Figure 2 of them, and the table of each pair's scores (`val_records`: the
+    validation pairs, `val_pairs` the encoded ones)."""
     best = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=training_device())
     scores = score_pair_batches(best, val_batches, cache, config.reward.beta_rm > 0)
     plot_margin_histogram(scores.margins, out_dir / MARGIN_PLOT)
-    write_validation_pairs(out_dir, validation_pair_rows(*val_records, val_batches, scores))
-    return validation_metrics(scores, config.reward.beta_rm)
+    write_validation_pairs(out_dir, validation_pair_rows(val_records, val_pairs, val_batches, scores))
+    reply_tokens = scored_reply_tokens(val_pairs, val_batches)
+    return validation_metrics(scores, config.reward.beta_rm, reply_tokens, AUC_GAIN_RESAMPLES, config.seed)
 
 
 def _run_train_rm(
@@ -315,8 +346,9 @@ def _run_train_rm(
         return collate_pairs([train_pairs.pairs[i] for i in indices], indices, pad_id).to(device)
 
     def evaluate(model: nn.Module, max_batches: int | None) -> Metrics:
-        scores = score_pair_batches(model, val_batches[:max_batches], val_cache, settings.beta_rm > 0)
-        return validation_metrics(scores, settings.beta_rm)
+        batches = val_batches[:max_batches]
+        scores = score_pair_batches(model, batches, val_cache, settings.beta_rm > 0)
+        return validation_metrics(scores, settings.beta_rm, scored_reply_tokens(val_pairs, batches))
 
     def save_best(model: nn.Module, step: int, metrics: Metrics) -> None:
         model.save_pretrained(model_dir, tokenizer)
@@ -347,7 +379,7 @@ def _run_train_rm(
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
 
     metrics = {
-        **final_metrics(config, model_dir, val_batches, val_cache, out_dir, (val_records, val_pairs.kept)),
+        **final_metrics(config, model_dir, val_batches, val_cache, out_dir, val_records, val_pairs),
         **run_state.values,
         "steps": float(result.final_step),
         "resumed_from": float(result.resumed_from),

@@ -2,8 +2,10 @@
 
 Reads every pair of the file (a file, a directory or a Hub id, parsed as prepare-data parses rows;
 unreadable rows are counted, not fatal), scores chosen and rejected with the model `train-rm` saved,
-and reports the accuracy with its 95% Wilson interval and the mean margin; with an output directory
-also metrics.json and the margin histogram (the paper's Figure 2), as `train-rm` writes them.
+and reports the accuracy with its 95% Wilson interval, the mean margin and the model's skill beyond reply
+length (rlhf_core/reward/length_metrics.py: balanced and length-matched accuracy, the length rule, the AUC
+gain over length, the reward-length correlation); with an output directory also metrics.json and the
+margin histogram (the paper's Figure 2), as `train-rm` writes them (its figures without the `val/` prefix).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.saving import HEAD_CONFIG_FILE
 from rlhf_core.output_lock import output_lock
 from rlhf_core.progress import ProgressCallback, progress
-from rlhf_core.reward.batch import collate_pairs, encode_pairs
+from rlhf_core.reward.batch import collate_pairs, encode_pairs, pair_reply_tokens
+from rlhf_core.reward.length_metrics import LengthSkill, length_skill
 from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
 from rlhf_core.reward.scoring import PairScores, score_pair_batches
@@ -33,9 +36,11 @@ from rlhf_core.stages.training_run import MODEL_DIR, mark_incomplete, training_d
 
 @dataclass(frozen=True)
 class PairFileScores:
-    """A reward model's verdict on a pair file: accuracy summary, raw scores, and what was left out."""
+    """A reward model's verdict on a pair file: accuracy summary, skill beyond length, raw scores, and what
+    was left out."""
 
     accuracy: PairAccuracy
+    length: LengthSkill
     scores: PairScores
     rows_dropped: int
     pairs_too_long: int
@@ -76,9 +81,10 @@ def score_pair_file(
 
     A progress bar counts the pairs scored (rlhf_core/progress.py), and `on_progress(done, total)` with it.
 
-    With `out_dir`: metrics.json (accuracy, interval, margins, counts) and plots/reward_margin_hist.png,
-    written holding the output lock of `out_dir` for the whole run (rlhf_core/output_lock.py), so two
-    runs into one directory cannot mix their figures; nothing is written there until the scores exist.
+    With `out_dir`: metrics.json (accuracy, interval, margins, counts, the figures of `LengthSkill`) and
+    plots/reward_margin_hist.png, written holding the output lock of `out_dir` for the whole run
+    (rlhf_core/output_lock.py), so two runs into one directory cannot mix their figures; nothing is
+    written there until the scores exist.
     """
     if out_dir is None:
         return _score_pair_file(config, Path(model_path), source, on_progress)
@@ -100,6 +106,7 @@ def score_pair_file(
                 "pairs": float(result.accuracy.pairs),
                 "rows_dropped": float(result.rows_dropped),
                 "pairs_too_long": float(result.pairs_too_long),
+                **result.length.figures(),
             },
         )
     return result
@@ -127,4 +134,5 @@ def _score_pair_file(
     )
     with progress(len(encoded.pairs), "score-pairs", "pair", on_progress) as scored:
         scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False, on_scored=scored.advance)
-    return PairFileScores(pair_accuracy(scores.margins), scores, dropped, len(encoded.too_long))
+    length = length_skill(scores.chosen, scores.rejected, *pair_reply_tokens(encoded.pairs), seed=config.seed)
+    return PairFileScores(pair_accuracy(scores.margins), length, scores, dropped, len(encoded.too_long))
