@@ -50,7 +50,8 @@ from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.outputs import generation_rows, verdict_rows, write_jsonl
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report, render_markdown
+from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
+from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.stages.evaluate import GENERATION_BATCH_SIZE, PLOT_FILE, REPORT_JSON, REPORT_MD, VERDICTS_FILE
