@@ -245,7 +245,13 @@ def test_a_finished_session_writes_verdicts_and_report_like_the_other_judges(tmp
     assert set(report.by_category) == {"harmless-base", "helpful-base"}
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["pairs"] == 6 and metrics["judge/answered_pairs"] == 6
-    assert (out / "report.md").read_text().startswith("# Evaluation: ppo (A) vs sft (B)")
+    # people's verdicts get the length-controlled headline too (no length-matched pairs: none were asked)
+    assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    assert metrics["lc_pairs"] == 6 and metrics["length_ratio"] == pytest.approx(report.length.length_ratio)
+    assert not any(name.startswith("length_matched/") for name in metrics)
+    markdown = (out / "report.md").read_text()
+    assert markdown.startswith("# Evaluation: ppo (A) vs sft (B)")
+    assert markdown.index("Length-controlled win rate of A: ") < markdown.index("## Plain rates")
     assert (out / "plots" / "win_rate.png").stat().st_size > 0
 
 

@@ -321,6 +321,17 @@ def judge_figures(judge: JudgeInfo, pairs: Sequence[JudgedPair]) -> dict[str, fl
     return {**judge.figures, **extra}
 
 
+def summarise_alignment_tax(tax: AlignmentTax) -> AlignmentTaxSummary:
+    """The report's copy of the alignment tax."""
+    return AlignmentTaxSummary(
+        replies=tax.replies,
+        perplexity_a=tax.perplexity_a,
+        perplexity_b=tax.perplexity_b,
+        change=tax.change,
+        relative_change=tax.relative_change,
+    )
+
+
 def is_similar_length(tokens_a: int, tokens_b: int, ratio: float = SIMILAR_LENGTH_RATIO) -> bool:
     """|tokens_a - tokens_b| <= ratio * max(tokens_a, tokens_b) (two empty replies are similar)."""
     return abs(tokens_a - tokens_b) <= ratio * max(tokens_a, tokens_b)
@@ -378,15 +389,6 @@ def build_report(
     )
     similar = [pair.verdict for pair in pairs if is_similar_length(pair.tokens_a, pair.tokens_b)]
     by_key = {pair.pair_key: pair.verdict for pair in pairs}
-    tax = None
-    if alignment_tax is not None:
-        tax = AlignmentTaxSummary(
-            replies=alignment_tax.replies,
-            perplexity_a=alignment_tax.perplexity_a,
-            perplexity_b=alignment_tax.perplexity_b,
-            change=alignment_tax.change,
-            relative_change=alignment_tax.relative_change,
-        )
     return EvaluationReport(
         model_a=model_a,
         model_b=model_b,
@@ -410,7 +412,7 @@ def build_report(
         agreement=[
             judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
         ],
-        alignment_tax=tax,
+        alignment_tax=None if alignment_tax is None else summarise_alignment_tax(alignment_tax),
         score_diff=summarise_score_differences(pairs, seed, resamples),
         length_controlled=summarise_length_control(pairs, seed, resamples),
         length_matched=(

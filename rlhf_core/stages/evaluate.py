@@ -267,6 +267,19 @@ def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgem
     ]
 
 
+def judge_pairs(
+    judge: Judge, generated: GeneratedPairs, out_dir: Path
+) -> tuple[list[Judgement], list[Judgement]]:
+    """The verdicts on the main and on the length-matched pairs (one call, so a reward-model judge scores a
+    reply both lists hold once), written to verdicts.jsonl and verdicts_matched.jsonl."""
+    judgements = judge.judge([item.pair for item in generated.main + generated.matched])
+    main, matched = judgements[: len(generated.main)], judgements[len(generated.main) :]
+    name = judge.info().name
+    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, main, name))
+    write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, matched, name))
+    return main, matched
+
+
 def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None:
     """report.json, report.md (with model A's PPO evidence, when it is a PPO output) and the chart."""
     atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
@@ -321,11 +334,8 @@ def run_evaluate(
         generated, tax = generate_pairs(config, checked, out_dir, device, logger)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
-        everything = judge_impl.judge([item.pair for item in generated.main + generated.matched])
-        judgements, matched_judgements = everything[: len(generated.main)], everything[len(generated.main) :]
+        judgements, matched_judgements = judge_pairs(judge_impl, generated, out_dir)
         info = judge_impl.info()
-        write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, judgements, info.name))
-        write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, matched_judgements, info.name))
         logger.log_metrics({"progress": 0.9}, step=3)
         report = build_report(
             judged_pairs(generated.main, judgements),
