@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import Config
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
@@ -113,28 +114,48 @@ class ModelReplies:
         return [[main, *extra] for main, extra in zip(self.main, self.extra)]
 
 
+def draw_replies(
+    config: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[EvalPrompt],
+    label: str | None,
+) -> tuple[list[Reply], list[list[Reply]]]:
+    """The main reply to each prompt (seed `seed`) and, for the length-matched pairs, the
+    `evaluation.length_matched_samples - 1` further replies to each (seed `seed + 1`); with `label`,
+    progress bars named by it count them."""
+    settings = config.evaluation
+    messages = [prompt.prompt for prompt in prompts]
+    main = generate_replies(
+        model,
+        tokenizer,
+        messages,
+        settings.generation,
+        GENERATION_BATCH_SIZE,
+        config.seed,
+        desc=None if label is None else f"eval: {label}",
+    )
+    if settings.length_matched_samples == 1:
+        return main, [[] for _ in prompts]
+    extra = sample_replies(
+        model,
+        tokenizer,
+        messages,
+        settings.generation,
+        GENERATION_BATCH_SIZE,
+        config.seed + EXTRA_SAMPLES_SEED_OFFSET,
+        settings.length_matched_samples - 1,
+        desc=None if label is None else f"eval: {label}, length-matched samples",
+    )
+    return main, extra
+
+
 def model_replies(
     config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device, label: str
 ) -> ModelReplies:
-    """One model's replies to `prompts` (progress bars named by `label` count them) and its perplexity."""
+    """One model's replies to `prompts` (`draw_replies`) and its perplexity on their reference replies."""
     model, tokenizer = load_causal_lm(model_dir, dtype=DTYPES[config.model.dtype], device=device)
-    messages = [prompt.prompt for prompt in prompts]
-    settings = config.evaluation
-    main = generate_replies(
-        model, tokenizer, messages, settings.generation, GENERATION_BATCH_SIZE, config.seed, desc=f"eval: {label}"
-    )
-    extra: list[list[Reply]] = [[] for _ in prompts]
-    if settings.length_matched_samples > 1:
-        extra = sample_replies(
-            model,
-            tokenizer,
-            messages,
-            settings.generation,
-            GENERATION_BATCH_SIZE,
-            config.seed + EXTRA_SAMPLES_SEED_OFFSET,
-            settings.length_matched_samples - 1,
-            desc=f"eval: {label}, length-matched samples",
-        )
+    main, extra = draw_replies(config, model, tokenizer, prompts, label)
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, measured = reply_perplexity(
         model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size
