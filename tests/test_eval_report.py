@@ -250,8 +250,8 @@ def test_the_report_leads_with_the_length_controlled_figures() -> None:
     assert markdown.index("Length ratio A / B: ") < markdown.index("## Plain rates") < markdown.index("| all |")
     assert f"{expected.rate:.1%} (95% bootstrap interval {expected.low:.1%} to {expected.high:.1%})" in markdown
     assert "Few length-matched pairs" not in markdown
-    assert "Few length-matched pairs (60 < 60)" in render_markdown(
-        build_report(pairs, RM_JUDGE, "a", "b", GENERATION, seed=1, resamples=50, length_matched=matched[:60])
+    assert "Few length-matched pairs (59 < 60)" in render_markdown(
+        build_report(pairs, RM_JUDGE, "a", "b", GENERATION, seed=1, resamples=50, length_matched=matched[:59])
     )
     assert type(report).model_validate_json(report.model_dump_json()) == report
 
