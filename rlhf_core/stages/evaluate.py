@@ -291,10 +291,15 @@ def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgem
 def judge_pairs(
     judge: Judge, generated: GeneratedPairs, out_dir: Path
 ) -> tuple[list[Judgement], list[Judgement]]:
-    """The verdicts on the main and on the length-matched pairs (one call, so a reward-model judge scores a
-    reply both lists hold once), written to verdicts.jsonl and verdicts_matched.jsonl."""
-    judgements = judge.judge([item.pair for item in generated.main + generated.matched])
-    main, matched = judgements[: len(generated.main)], judgements[len(generated.main) :]
+    """The verdicts on the main and on the length-matched pairs, written to verdicts.jsonl and
+    verdicts_matched.jsonl. One call, and a length-matched pair that is a prompt's main pair is judged
+    once, so no reply is scored (and no LLM request sent) twice."""
+    main_keys = {item.pair.pair_key for item in generated.main}
+    asked = generated.main + [item for item in generated.matched if item.pair.pair_key not in main_keys]
+    judgements = judge.judge([item.pair for item in asked])
+    by_key = {item.pair.pair_key: judgement for item, judgement in zip(asked, judgements)}
+    main = judgements[: len(generated.main)]
+    matched = [by_key[item.pair.pair_key] for item in generated.matched]
     name = judge.info().name
     write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, main, name))
     write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, matched, name))
