@@ -83,7 +83,7 @@ FORM_NAME = "PairVerdicts"
 # ---- generation
 
 
-def sample_replies(
+def model_samples(
     config: Config, model: str | Path, prompts: Sequence[EvalPrompt], device: torch.device
 ) -> tuple[list[Reply], list[list[Reply]]]:
     """One model's main replies to `prompts` and the further ones for the length-matched pairs, as
@@ -107,8 +107,8 @@ def generate_pairs_task(config: Config, data_dir: Path, model_a: str, model_b: s
         resolve_model_dir(model)  # fail before loading anything
     prompts = evaluation_prompts(data_dir, config.evaluation.max_prompts)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    main_a, extra_a = sample_replies(config, model_a, prompts, device)
-    main_b, extra_b = sample_replies(config, model_b, prompts, device)
+    main_a, extra_a = model_samples(config, model_a, prompts, device)
+    main_b, extra_b = model_samples(config, model_b, prompts, device)
     samples_a = [[main, *extra] for main, extra in zip(main_a, extra_a)]
     samples_b = [[main, *extra] for main, extra in zip(main_b, extra_b)]
     matched = length_matched_pairs(prompts, samples_a, samples_b)
