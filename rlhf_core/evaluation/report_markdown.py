@@ -58,29 +58,30 @@ def _length_controlled_line(report: EvaluationReport) -> str:
     )
 
 
-def _length_matched_lines(matched: LengthMatchedSummary | None) -> list[str]:
+def _length_matched_line(matched: LengthMatchedSummary | None) -> str:
     if matched is None:
-        return ["- **Length-matched pairs:** none were drawn for this judge."]
+        return "- **Length-matched pairs:** none were drawn for this judge."
     outcome = matched.outcome
-    lines = [
+    return (
+        f"- **Length-matched pairs: {outcome.valid} valid of {outcome.pairs}**, A wins "
+        f"{_rate_cell(outcome.win)}, ties {_rate_cell(outcome.tie)}, B wins {_rate_cell(outcome.lose)}; "
+        f"**win - lose {_rate_cell(outcome.win_minus_loss, signed=True)}**. Per prompt, the closest-length "
+        f"pair of {matched.samples_per_model} replies per model, chosen by length alone before judging and "
+        f"kept when within {matched.ratio:.0%} of the longer (mean {matched.mean_tokens_a:.1f} vs "
+        f"{matched.mean_tokens_b:.1f} tokens)."
+    )
+
+
+def _few_matched_pairs_lines(matched: LengthMatchedSummary | None) -> list[str]:
+    if matched is None or matched.outcome.valid >= MIN_LENGTH_MATCHED_PAIRS:
+        return []
+    return [
+        "",
         (
-            f"- **Length-matched pairs: {outcome.valid} valid of {outcome.pairs}**, A wins "
-            f"{_rate_cell(outcome.win)}, ties {_rate_cell(outcome.tie)}, B wins {_rate_cell(outcome.lose)}; "
-            f"**win - lose {_rate_cell(outcome.win_minus_loss, signed=True)}**. Per prompt, the closest-length "
-            f"pair of {matched.samples_per_model} replies per model, chosen by length alone before judging and "
-            f"kept when within {matched.ratio:.0%} of the longer (mean {matched.mean_tokens_a:.1f} vs "
-            f"{matched.mean_tokens_b:.1f} tokens)."
-        )
+            f"> **Few length-matched pairs ({matched.outcome.valid} < {MIN_LENGTH_MATCHED_PAIRS}).** Their "
+            "interval is wide; raise `evaluation.length_matched_samples` or `evaluation.max_prompts` for more."
+        ),
     ]
-    if outcome.valid < MIN_LENGTH_MATCHED_PAIRS:
-        lines += [
-            "",
-            (
-                f"> **Few length-matched pairs ({outcome.valid} < {MIN_LENGTH_MATCHED_PAIRS}).** Their interval "
-                "is wide; raise `evaluation.length_matched_samples` or `evaluation.max_prompts` for more."
-            ),
-        ]
-    return lines
 
 
 def headline_lines(report: EvaluationReport) -> list[str]:
@@ -91,11 +92,12 @@ def headline_lines(report: EvaluationReport) -> list[str]:
         "## Length-controlled result",
         "",
         _length_controlled_line(report),
-        *_length_matched_lines(report.length_matched),
+        _length_matched_line(report.length_matched),
         (
             f"- **Length ratio A / B: {ratio}** (mean reply length A {length.mean_tokens_a:.1f} tokens, "
             f"B {length.mean_tokens_b:.1f} tokens)."
         ),
+        *_few_matched_pairs_lines(report.length_matched),
     ]
 
 
