@@ -6,8 +6,10 @@ the flow samples first exactly as `rlhf eval` does; and a session directory `out
 
 The flow
 1. resolves the configuration and checks the other judges' verdict files (before anyone is asked),
-2. opens the session in `out_dir` (rlhf_core/evaluation/judges/human.py): copies the pairs in, records
-   the seeded order in which each pair's replies are shown, and finds the pairs not yet answered,
+2. opens the session in `out_dir` (rlhf_core/evaluation/judges/human.py): copies the pairs in (with the
+   length-matched pairs of generations_matched.jsonl when it lies beside the generations file, as
+   `rlhf eval` leaves it: people judge those too, after the main pairs), records the seeded order in
+   which each pair's replies are shown, and finds the pairs not yet answered,
 3. pauses on one form per batch of `batch_size` pairs (the markdown above the form shows the
    conversation, Reply 1 and Reply 2; the fields are a choice per pair, "reply 1", "reply 2" or "tie",
    and an optional comment), and appends each submitted form's answers to answers.jsonl (fsynced)
@@ -50,7 +52,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.config import load_config
-from rlhf_core.evaluation.judges.human import batches, open_session
+from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, batches, open_session
 from rlhf_core.evaluation.outputs import read_verdicts
 from tasks.human_eval import ask_pairs, generate_pairs_task, report_task
 
@@ -122,7 +124,9 @@ def rlhf_human_eval(settings: HumanEvalSettings) -> dict[str, float]:
         )
     else:
         generations = Path(str(settings.generations))
-    session = open_session(out_dir, generations, config.seed if settings.seed is None else settings.seed)
+    matched = generations.parent / MATCHED_PAIRS_FILE  # `rlhf eval` and generate_pairs_task write it beside
+    seed = config.seed if settings.seed is None else settings.seed
+    session = open_session(out_dir, generations, seed, matched if matched.is_file() else None)
     total, pending = len(session.plan.pairs), session.pending()
     logger.info("session %s: %d of %d pairs answered, asking %d", out_dir, total - len(pending), total, len(pending))
     progress = create_progress_artifact(

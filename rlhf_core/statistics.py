@@ -12,6 +12,8 @@
 - `percent_agreement` and `cohens_kappa`: how far two judges (LLM, reward model, people) agree on the
   same pairs; kappa discounts the agreement two judges would reach by chance given how often each
   gives each verdict.
+- `spearman`: the rank correlation of a judge's scores with reply length; a reward model that pays for
+  length (or for brevity) shows it here whatever the replies say (issue 27).
 
 All functions are pure; the bootstrap is seeded.
 """
@@ -134,3 +136,29 @@ def cohens_kappa(first: Sequence[Hashable], second: Sequence[Hashable]) -> float
     if math.isclose(expected, 1.0):
         return math.nan
     return (observed - expected) / (1 - expected)
+
+
+def average_ranks(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Ranks 1..N of `values` [N], tied values sharing the mean of the ranks they occupy."""
+    array = np.asarray(values, dtype=np.float64)
+    ranks = np.empty(array.size)
+    ranks[np.argsort(array, kind="stable")] = np.arange(1, array.size + 1)
+    _, groups = np.unique(array, return_inverse=True)
+    return (np.bincount(groups, weights=ranks) / np.bincount(groups))[groups]
+
+
+def spearman(first: Sequence[float] | np.ndarray, second: Sequence[float] | np.ndarray) -> float | None:
+    """Spearman's rank correlation of two paired samples: the Pearson correlation of their average ranks.
+
+    None when it is undefined: fewer than two pairs, or either sample constant (no ranking to correlate).
+    """
+    x, y = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"spearman needs two 1-d samples of one length, got shapes {x.shape} and {y.shape}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("spearman needs finite values")
+    if x.size < 2:
+        return None
+    rank_x, rank_y = average_ranks(x) - (x.size + 1) / 2, average_ranks(y) - (x.size + 1) / 2
+    denominator = math.sqrt(float(rank_x @ rank_x) * float(rank_y @ rank_y))
+    return None if denominator == 0 else float(rank_x @ rank_y) / denominator

@@ -4,10 +4,12 @@
   champion) on the held-out prompts, through `rlhf_core.stages.evaluate.run_evaluate`. Like the other
   stage tasks (tasks/stages.py) it is cached on content (the data, both models, the judge, the config
   sections it reads), holds this machine's training slot while it generates, and runs in a nested
-  MLflow run. That run holds the figures of metrics.json as `final.*` metrics (win/tie/lose rates and
+  MLflow run. That run holds the figures of metrics.json as `final.*` metrics (the length-controlled
+  win rate, the length-matched pairs' outcome and the length ratio first, then win/tie/lose rates and
   win minus loss with their intervals, the reward-model judge's mean score difference A - B with its
   interval, lengths, alignment tax), the per-pair table (`pairs.json`, via
-  `log_table`), the Figure-10 chart (`plots/win_rate.png`), report.md and report.json; the report is
+  `log_table`), the Figure-10 chart (`plots/win_rate.png`), report.md, report.json and the
+  length-matched pairs' files (generations_matched.jsonl, verdicts_matched.jsonl); the report is
   also a Prefect markdown artifact (`evaluate-report`), and the first pairs a table artifact
   (`evaluate-samples`: prompt, both replies, the verdict).
 - `JudgeSpec`: which judge, and what pins it for the cache key: the reward model's content hash, or
@@ -46,6 +48,8 @@ from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
 from rlhf_core.reward.training_data import write_training_data
 from rlhf_core.stages.evaluate import (
     GENERATIONS_FILE,
+    MATCHED_GENERATIONS_FILE,
+    MATCHED_VERDICTS_FILE,
     PLOT_FILE,
     REPORT_JSON,
     REPORT_MD,
@@ -66,8 +70,16 @@ REGISTRY_STAGE = "registry"  # the `stage` of a StageOutput downloaded from the 
 PAIRS_TABLE = "pairs.json"
 EVALUATED = "evaluated"
 EVALUATION_TAG_PREFIX = "evaluation."
-# The figures of metrics.json that go on the evaluated version as tags.
+# The figures of metrics.json that go on the evaluated version as tags, the length-controlled ones first.
 HEADLINE_FIGURES = (
+    "lc_win_rate",
+    "lc_win_rate_low",
+    "lc_win_rate_high",
+    "length_ratio",
+    "length_matched/pairs",
+    "length_matched/win_minus_loss",
+    "length_matched/win_minus_loss_low",
+    "length_matched/win_minus_loss_high",
     "win_rate",
     "tie_rate",
     "lose_rate",
@@ -167,11 +179,12 @@ def evaluate_task(
 
 
 def log_evaluation(client: MlflowClient, run_id: str, out_dir: Path) -> None:
-    """report.md and report.json as artifacts, and one table row per judged pair (`pairs.json`).
+    """report.md, report.json and the length-matched pairs' files as artifacts, and one table row per
+    judged pair (`pairs.json`).
 
     (metrics.json, the `final.*` metrics and plots/win_rate.png are logged by `StageRun.finish`.)
     """
-    for name in (REPORT_MD, REPORT_JSON):
+    for name in (REPORT_MD, REPORT_JSON, MATCHED_GENERATIONS_FILE, MATCHED_VERDICTS_FILE):
         client.log_artifact(run_id, str(out_dir / name))
     client.log_table(run_id, data=pd.DataFrame(pair_rows(out_dir)), artifact_file=PAIRS_TABLE)
 
@@ -230,9 +243,26 @@ def _score_diff_text(difference: ScoreDifference | None) -> str:
     )
 
 
+def length_controlled_summary(report: EvaluationReport) -> str:
+    """The summary's headline: the length-controlled win rate with its interval, the length ratio, and the
+    length-matched pairs' win minus loss."""
+    result, length, matched = report.length_controlled, report.length, report.length_matched
+    rate = "n/a" if result is None else f"{result.rate:.1%} (95% CI {result.low:.1%} to {result.high:.1%})"
+    ratio = "n/a" if length.length_ratio is None else f"{length.length_ratio:.2f}"
+    text = (
+        f"  length-controlled win rate of A {rate}; length ratio A/B {ratio} "
+        f"({length.mean_tokens_a:.1f} vs {length.mean_tokens_b:.1f} tokens)"
+    )
+    if matched is not None:
+        margin = matched.outcome.win_minus_loss
+        interval = "n/a" if margin is None else f"{margin.rate:+.1%} (95% CI {margin.low:+.1%} to {margin.high:+.1%})"
+        text += f"; {matched.outcome.valid} length-matched pairs: win - lose {interval}"
+    return text
+
+
 def evaluation_summary(output: StageOutput) -> list[str]:
-    """The lines `rlhf run` ends with: who judged, the rates, win minus loss and the judge's mean score
-    difference with their intervals, where to look."""
+    """The lines `rlhf run` ends with: who judged, the length-controlled headline, the rates, win minus loss
+    and the judge's mean score difference with their intervals, where to look."""
     report = read_report(output)
     overall = report.overall
     judge = "reward model" if report.judge.kind == "rm" else f"LLM ({report.judge.name})"
@@ -241,6 +271,7 @@ def evaluation_summary(output: StageOutput) -> list[str]:
     interval = "n/a" if margin is None else f"{margin.rate:+.1%} (95% CI {margin.low:+.1%} to {margin.high:+.1%})"
     return [
         f"evaluation: {report.model_a} (A) vs {report.model_b} (B), judged by the {judge}{in_sample}",
+        length_controlled_summary(report),
         (
             f"  {overall.valid} valid pairs of {overall.pairs}: A wins {_percent(overall.win)}, ties "
             f"{_percent(overall.tie)}, B wins {_percent(overall.lose)}; win - lose {interval}"

@@ -1,8 +1,8 @@
 """The Prefect side of human evaluation (flow: flows/human_eval.py; the judging itself:
 rlhf_core/evaluation/judges/human.py).
 
-- `generate_pairs_task`: model A's and model B's replies to the eval prompts, when the session starts
-  from two models instead of an `rlhf eval` generations file;
+- `generate_pairs_task`: model A's and model B's replies to the eval prompts and their length-matched
+  pairs, when the session starts from two models instead of an `rlhf eval` generations file;
 - `ask_pairs`: one form in the Prefect UI for a batch of pairs (`pause_flow_run` with `wait_for_input`),
   turned into answers;
 - `report_task`: once every pair is answered, the same files and report as the other judges, a markdown
@@ -33,9 +33,10 @@ from pydantic import Field, create_model
 
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config
-from rlhf_core.evaluation.generation import Reply, generate_replies
+from rlhf_core.evaluation.generation import Reply
 from rlhf_core.evaluation.judges.human import (
     ANSWERS_FILE,
+    MATCHED_PAIRS_FILE,
     PAIRS_FILE,
     PLAN_FILE,
     HumanAnswer,
@@ -45,15 +46,30 @@ from rlhf_core.evaluation.judges.human import (
     form_description,
     load_session,
 )
-from rlhf_core.evaluation.judges.verdicts import Verdict
+from rlhf_core.evaluation.judges.verdicts import Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
-from rlhf_core.evaluation.outputs import generation_rows, verdict_rows, write_jsonl
+from rlhf_core.evaluation.length_matching import length_matched_pairs
+from rlhf_core.evaluation.outputs import (
+    GeneratedPair,
+    generation_rows,
+    matched_generation_rows,
+    verdict_rows,
+    write_jsonl,
+)
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report, render_markdown
+from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
+from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.stages.evaluate import GENERATION_BATCH_SIZE, PLOT_FILE, REPORT_JSON, REPORT_MD, VERDICTS_FILE
+from rlhf_core.stages.evaluate import (
+    MATCHED_VERDICTS_FILE,
+    PLOT_FILE,
+    REPORT_JSON,
+    REPORT_MD,
+    VERDICTS_FILE,
+    draw_replies,
+)
 from rlhf_core.stages.result import write_metrics
 from tasks.lineage import FLOW_RUN_ID_TAG, UNKNOWN
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_ROLE, STAGE_TAG, close_run, run_url
@@ -67,24 +83,19 @@ FORM_NAME = "PairVerdicts"
 # ---- generation
 
 
-def sample_replies(
+def model_samples(
     config: Config, model: str | Path, prompts: Sequence[EvalPrompt], device: torch.device
-) -> list[Reply]:
-    """One model's replies to `prompts`, with `evaluation.generation` and `seed`, as `rlhf eval` samples them."""
+) -> tuple[list[Reply], list[list[Reply]]]:
+    """One model's main replies to `prompts` and the further ones for the length-matched pairs, as
+    `rlhf eval` samples them (`draw_replies`)."""
     loaded, tokenizer = load_causal_lm(resolve_model_dir(model), dtype=DTYPES[config.model.dtype], device=device)
-    return generate_replies(
-        loaded,
-        tokenizer,
-        [prompt.prompt for prompt in prompts],
-        config.evaluation.generation,
-        GENERATION_BATCH_SIZE,
-        config.seed,
-    )
+    return draw_replies(config, loaded, tokenizer, prompts, label=None)
 
 
 @task(name="human-eval-generate", cache_policy=NO_CACHE)
 def generate_pairs_task(config: Config, data_dir: Path, model_a: str, model_b: str, out_dir: Path) -> Path:
-    """Write `out_dir/generations.jsonl`: both models' replies to the eval prompts; returns its path.
+    """Write `out_dir/generations.jsonl` (both models' replies to the eval prompts) and
+    `out_dir/generations_matched.jsonl` (their length-matched pairs); returns the first's path.
 
     A session directory that already has the file keeps it: its answers are about those replies, and
     sampling again could give others (other hardware, other library versions).
@@ -96,9 +107,13 @@ def generate_pairs_task(config: Config, data_dir: Path, model_a: str, model_b: s
         resolve_model_dir(model)  # fail before loading anything
     prompts = evaluation_prompts(data_dir, config.evaluation.max_prompts)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    replies_a = sample_replies(config, model_a, prompts, device)
-    replies_b = sample_replies(config, model_b, prompts, device)
-    return write_jsonl(path, generation_rows(prompts, replies_a, replies_b))
+    main_a, extra_a = model_samples(config, model_a, prompts, device)
+    main_b, extra_b = model_samples(config, model_b, prompts, device)
+    samples_a = [[main, *extra] for main, extra in zip(main_a, extra_a)]
+    samples_b = [[main, *extra] for main, extra in zip(main_b, extra_b)]
+    matched = length_matched_pairs(prompts, samples_a, samples_b)
+    write_jsonl(Path(out_dir) / MATCHED_PAIRS_FILE, matched_generation_rows(matched))
+    return write_jsonl(path, generation_rows(prompts, main_a, main_b))
 
 
 # ---- forms
@@ -169,6 +184,14 @@ def ask_pairs(batch: Sequence[ShownPair], total: int, timeout_s: int, poll_inter
 # ---- report
 
 
+def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgement]) -> list[JudgedPair]:
+    """The report's view of each pair people judged (they give verdicts, not scores)."""
+    return [
+        JudgedPair(item.pair.pair_key, item.pair.category, item.tokens_a, item.tokens_b, judgement.verdict)
+        for item, judgement in zip(generated, judgements)
+    ]
+
+
 def write_results(
     session: HumanSession,
     config: Config,
@@ -178,25 +201,28 @@ def write_results(
 ) -> EvaluationReport:
     """verdicts.jsonl, report.json, report.md, the chart and finally metrics.json of a fully answered session.
 
-    The same files, in the same formats, as `rlhf eval` writes for the other judges; the bootstrap is
-    seeded with the session's seed. There is no alignment tax: it is a property of the models, in
-    `rlhf eval`'s report.
+    The same files, in the same formats, as `rlhf eval` writes for the other judges (verdicts_matched.jsonl
+    and the length-matched figures when the session asked length-matched pairs; their samples per model
+    are taken from `config`); the bootstrap is seeded with the session's seed. There is no alignment
+    tax: it is a property of the models, in `rlhf eval`'s report.
     """
     out_dir = session.out_dir
-    judgements = session.judgements()
+    judgements, matched = session.judgements(), session.matched_judgements()
     info = session.info()
     write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(session.generated, judgements, info.name))
+    asked_matched = (out_dir / MATCHED_PAIRS_FILE).is_file()  # possibly none matched
+    if asked_matched:
+        write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(session.matched, matched, info.name))
     report = build_report(
-        [
-            JudgedPair(item.pair.pair_key, item.pair.category, item.tokens_a, item.tokens_b, judgement.verdict)
-            for item, judgement in zip(session.generated, judgements)
-        ],
+        judged_pairs(session.generated, judgements),
         info,
         model_a,
         model_b,
         config.evaluation.generation,
         session.plan.seed,
         other_judges=other_judges,
+        length_matched=judged_pairs(session.matched, matched) if asked_matched else None,
+        samples_per_model=config.evaluation.length_matched_samples,
     )
     atomic_write_text(out_dir / REPORT_JSON, report.model_dump_json(indent=2) + "\n")
     atomic_write_text(out_dir / REPORT_MD, render_markdown(report))
@@ -230,8 +256,9 @@ def log_to_mlflow(
         logger = MlflowLogger(run_id, client)
         logger.log_params(params)
         logger.log_metrics(metrics, step=0)
-        for name in (PLAN_FILE, ANSWERS_FILE, VERDICTS_FILE, REPORT_JSON, REPORT_MD):
-            client.log_artifact(run_id, str(out_dir / name))
+        for name in (PLAN_FILE, ANSWERS_FILE, VERDICTS_FILE, REPORT_JSON, REPORT_MD, MATCHED_VERDICTS_FILE):
+            if (out_dir / name).is_file():  # no verdicts_matched.jsonl without length-matched pairs
+                client.log_artifact(run_id, str(out_dir / name))
         client.log_artifacts(run_id, str(out_dir / PLOT_FILE.parent), artifact_path=PLOT_FILE.parent.as_posix())
     except BaseException as error:
         close_run(client, run_id, error)

@@ -80,7 +80,8 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
 
     files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}
     assert files == {
-        "generations.jsonl", "verdicts.jsonl", "report.json", "report.md", "plots/win_rate.png", "metrics.json"
+        "generations.jsonl", "verdicts.jsonl", "generations_matched.jsonl", "verdicts_matched.jsonl",
+        "report.json", "report.md", "plots/win_rate.png", "metrics.json",
     }
     generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     verdicts = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
@@ -100,6 +101,19 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
     assert metrics["win_minus_loss"] == pytest.approx((wins - losses) / 6)
     assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
     assert metrics["perplexity_a"] > 1 and metrics["perplexity_b"] > 1
+    # the length-controlled headline: tiny.yaml draws 2 replies per prompt and model for the matched pairs
+    assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    mean_a, mean_b = (sum(g[f"tokens_{x}"] for g in generations) / 6 for x in "ab")
+    assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
+    assert metrics["alignment_tax_relative"] == pytest.approx(metrics["perplexity_a"] / metrics["perplexity_b"] - 1)
+    assert "judge/reward_length_spearman_b" in metrics or len({g["tokens_b"] for g in generations}) == 1
+    matched = [json.loads(line) for line in (out / "generations_matched.jsonl").read_text().splitlines()]
+    matched_verdicts = [json.loads(line) for line in (out / "verdicts_matched.jsonl").read_text().splitlines()]
+    assert metrics["length_matched/pairs"] == len(matched) == len(matched_verdicts)
+    for row in matched:
+        assert abs(row["tokens_a"] - row["tokens_b"]) <= 0.2 * max(row["tokens_a"], row["tokens_b"])
+        assert row["sample_a"] in (0, 1) and row["sample_b"] in (0, 1)
+    assert stdout.index("Length-controlled win rate of A") < stdout.index("| all |")
     assert (out / "plots" / "win_rate.png").read_bytes()[:4] == b"\x89PNG"
 
     # A second judge that calls every pair a tie, compared with the first on the same (seeded) pairs.

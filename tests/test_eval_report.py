@@ -22,8 +22,10 @@ from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
-from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, render_markdown, summarise_outcomes
-from rlhf_core.statistics import cohens_kappa, wilson_interval
+from rlhf_core.evaluation.length_control import length_controlled_win_rate
+from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, summarise_outcomes
+from rlhf_core.evaluation.report_markdown import render_markdown
+from rlhf_core.statistics import cohens_kappa, spearman, wilson_interval
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 
@@ -194,6 +196,81 @@ def test_metrics_markdown_and_chart(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["win_rate.png"]  # no temporary file left
     # report.json round-trips
     assert type(report).model_validate_json(report.model_dump_json()) == report
+
+
+# ---- the length-controlled headline
+
+
+def length_biased_pairs(count: int, seed: int) -> list[JudgedPair]:
+    """A judge that mostly prefers the longer reply; A is usually longer; scores of B fall with length."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(count):
+        tokens_a, tokens_b = int(rng.integers(20, 90)), int(rng.integers(10, 60))
+        verdict = INVALID if i == 0 else TIE if i % 9 == 0 else A if tokens_a + rng.normal(0, 15) > tokens_b else B
+        score_b = -0.02 * tokens_b + float(rng.normal(0, 0.3))
+        rows.append(JudgedPair(f"k{i}", "only", tokens_a, tokens_b, verdict, 0.1, score_b))
+    return rows
+
+
+def test_the_report_leads_with_the_length_controlled_figures() -> None:
+    pairs = length_biased_pairs(80, seed=0)
+    matched = [JudgedPair(f"m{i}", "only", 30, 28, [A, B, TIE][i % 3]) for i in range(61)]
+    tax = AlignmentTax(replies=10, perplexity_a=11.0, perplexity_b=10.0)
+    report = build_report(
+        pairs, RM_JUDGE, "ppo", "sft", GENERATION, seed=1, alignment_tax=tax, resamples=300,
+        length_matched=matched, samples_per_model=4,
+    )
+    valid = [pair for pair in pairs if pair.verdict is not INVALID]
+    expected = length_controlled_win_rate(
+        [(pair.verdict.outcome + 1) / 2 for pair in valid], [pair.tokens_a - pair.tokens_b for pair in valid],
+        resamples=300, seed=1,
+    )
+    metrics = report.metrics()
+    assert list(metrics)[:3] == ["lc_win_rate", "lc_win_rate_low", "lc_win_rate_high"]
+    assert (metrics["lc_win_rate"], metrics["lc_win_rate_low"], metrics["lc_win_rate_high"]) == (
+        expected.rate, expected.low, expected.high,
+    )
+    assert metrics["lc_pairs"] == 79
+    mean_a, mean_b = (sum(getattr(p, f"tokens_{x}") for p in pairs) / 80 for x in "ab")
+    assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
+    assert metrics["length_matched/pairs"] == 61 and metrics["length_matched/win_rate"] == pytest.approx(21 / 61)
+    assert metrics["length_matched/win_minus_loss"] == pytest.approx(1 / 61)
+    assert metrics["length_matched/win_minus_loss_low"] <= 1 / 61 <= metrics["length_matched/win_minus_loss_high"]
+    assert metrics["length_matched/samples_per_model"] == 4
+    assert metrics["alignment_tax_relative"] == pytest.approx(0.1)
+    assert metrics["judge/reward_length_spearman_b"] == pytest.approx(
+        spearman([p.score_b for p in pairs], [p.tokens_b for p in pairs])
+    )
+    assert metrics["judge/reward_length_spearman_b"] < -0.5
+    json.dumps(metrics, allow_nan=False)
+
+    markdown = render_markdown(report)
+    assert markdown.index("Length-controlled win rate of A: ") < markdown.index("Length-matched pairs: 61 valid")
+    assert markdown.index("Length ratio A / B: ") < markdown.index("## Plain rates") < markdown.index("| all |")
+    assert f"{expected.rate:.1%} (95% bootstrap interval {expected.low:.1%} to {expected.high:.1%})" in markdown
+    assert "Few length-matched pairs" not in markdown
+    assert "Few length-matched pairs (59 < 60)" in render_markdown(
+        build_report(pairs, RM_JUDGE, "a", "b", GENERATION, seed=1, resamples=50, length_matched=matched[:59])
+    )
+    assert type(report).model_validate_json(report.model_dump_json()) == report
+
+
+def test_length_figures_of_degenerate_evaluations_stay_finite() -> None:
+    ties = [JudgedPair(f"t{i}", "only", 10 + i, 12, TIE) for i in range(5)]
+    report = build_report(ties, RM_JUDGE, "a", "b", GENERATION, seed=0, resamples=50, length_matched=[])
+    metrics = report.metrics()
+    assert (metrics["lc_win_rate"], metrics["lc_win_rate_low"], metrics["lc_win_rate_high"]) == (0.5, 0.5, 0.5)
+    assert metrics["length_matched/pairs"] == 0 and "length_matched/win_rate" not in metrics
+    assert "judge/reward_length_spearman_b" not in metrics  # no scores
+    assert "Few length-matched pairs (0 < 60)" in render_markdown(report)
+
+    invalid = build_report([JudgedPair("x", "only", 0, 0, INVALID)], RM_JUDGE, "a", "b", GENERATION, seed=0)
+    assert invalid.length_controlled is None and invalid.length_matched is None
+    assert "lc_win_rate" not in invalid.metrics() and "length_ratio" not in invalid.metrics()  # B's replies empty
+    assert "n/a (no valid verdict)" in render_markdown(invalid)
+    for figures in (metrics, invalid.metrics()):
+        json.dumps(figures, allow_nan=False)
 
 
 # ---- generation, perplexity

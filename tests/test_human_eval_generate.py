@@ -12,7 +12,8 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.generation import generate_replies
-from rlhf_core.evaluation.judges.human import PAIRS_FILE, open_session
+from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, PAIRS_FILE, open_session
+from rlhf_core.evaluation.outputs import read_generations
 from rlhf_core.evaluation.prompts import evaluation_prompts
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.saving import save_causal_lm
@@ -63,7 +64,14 @@ def test_generated_pairs_match_rlhf_eval_sampling_and_are_kept_on_resume(tmp_pat
             config.seed,
         )
         assert [row[column] for row in rows] == [reply.text for reply in reference]
-    assert len(open_session(out_dir, path, seed=0).plan.pairs) == 4
+    matched = [json.loads(line) for line in (out_dir / MATCHED_PAIRS_FILE).read_text().splitlines()]
+    for row in matched:  # the closest-length pair of the prompt's replies, within 20% of the longer
+        assert abs(row["tokens_a"] - row["tokens_b"]) <= 0.2 * max(row["tokens_a"], row["tokens_b"])
+        assert row["sample_a"] in (0, 1) and row["sample_b"] in (0, 1)  # tiny.yaml: 2 replies per model
+    main_keys = {item.pair.pair_key for item in read_generations(path)}
+    extra = [item for item in read_generations(out_dir / MATCHED_PAIRS_FILE) if item.pair.pair_key not in main_keys]
+    session = open_session(out_dir, path, seed=0, matched=out_dir / MATCHED_PAIRS_FILE)
+    assert len(session.plan.pairs) == 4 + len(extra)
 
     before = path.read_bytes()
     shutil.rmtree(tmp_path / "ppo")  # a resumed session does not sample again

@@ -245,8 +245,40 @@ def test_a_finished_session_writes_verdicts_and_report_like_the_other_judges(tmp
     assert set(report.by_category) == {"harmless-base", "helpful-base"}
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["pairs"] == 6 and metrics["judge/answered_pairs"] == 6
-    assert (out / "report.md").read_text().startswith("# Evaluation: ppo (A) vs sft (B)")
+    # people's verdicts get the length-controlled headline too (no length-matched pairs: none were asked)
+    assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    assert metrics["lc_pairs"] == 6 and metrics["length_ratio"] == pytest.approx(report.length.length_ratio)
+    assert not any(name.startswith("length_matched/") for name in metrics)
+    markdown = (out / "report.md").read_text()
+    assert markdown.startswith("# Evaluation: ppo (A) vs sft (B)")
+    assert markdown.index("Length-controlled win rate of A: ") < markdown.index("## Plain rates")
     assert (out / "plots" / "win_rate.png").stat().st_size > 0
+
+
+def test_people_judge_the_length_matched_pairs_after_the_main_ones(tmp_path: Path) -> None:
+    generations = write_generations(tmp_path / "g.jsonl", 4)
+    main_row = generation_row(0)  # prompt 0's closest-length pair is its main pair: asked once
+    other = {**generation_row(1), "reply_a": "Model A's second reply to question 1.", "tokens_a": 5}
+    matched = write_jsonl(
+        tmp_path / "generations_matched.jsonl",
+        [{**main_row, "sample_a": 0, "sample_b": 0}, {**other, "sample_a": 1, "sample_b": 0}],
+    )
+    out = tmp_path / "session"
+    session = open_session(out, generations, seed=4, matched=matched)
+    keys = [item.pair.pair_key for item in read_generations(generations)]
+    matched_keys = [item.pair.pair_key for item in read_generations(matched)]
+    assert matched_keys[0] == keys[0]
+    assert [pair.pair_key for pair in session.plan.pairs] == [*keys, matched_keys[1]]
+    assert load_session(out).matched == session.matched  # the copy in the session directory is kept
+
+    session.record([answer(pair.pair_key, Preference.TIE) for pair in session.plan.pairs])
+    report = write_results(session, Config(), "ppo", "sft", other_judges={})
+    assert report.length_matched is not None and report.length_matched.outcome.ties == 2
+    _, verdicts = read_verdicts(out / "verdicts_matched.jsonl")
+    assert set(verdicts) == set(matched_keys) and set(verdicts.values()) == {Verdict.TIE}
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["length_matched/pairs"] == 2 and metrics["lc_win_rate"] == 0.5
+    assert "Few length-matched pairs (2 < 60)" in (out / "report.md").read_text()
 
 
 # ---- the flow's settings

@@ -14,6 +14,7 @@ from rlhf_core.statistics import (
     normal_quantile,
     paired_bootstrap_interval,
     percent_agreement,
+    spearman,
     wilson_interval,
 )
 
@@ -174,3 +175,38 @@ def test_agreement_needs_the_same_items() -> None:
         percent_agreement(["A"], ["A", "B"])
     with pytest.raises(ValueError, match="at least one"):
         cohens_kappa([], [])
+
+
+# ---- Spearman
+
+
+def spearman_by_loop(first: list[float], second: list[float]) -> float:
+    """Ranks by counting (ties get the mean rank), then Pearson's r of the ranks."""
+
+    def ranks(values: list[float]) -> list[float]:
+        return [
+            sum(other < value for other in values) + (sum(other == value for other in values) + 1) / 2
+            for value in values
+        ]
+
+    rx, ry = ranks(first), ranks(second)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return covariance / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def test_spearman_matches_a_loop_and_scipy() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 40, 60).astype(float)  # many ties
+    scores = -0.05 * lengths + rng.normal(0, 0.5, 60)
+    assert spearman(scores, lengths) == pytest.approx(spearman_by_loop(list(scores), list(lengths)), abs=1e-12)
+    stats = pytest.importorskip("scipy.stats")
+    assert spearman(scores, lengths) == pytest.approx(stats.spearmanr(scores, lengths).statistic, abs=1e-12)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+
+
+def test_spearman_is_none_where_undefined() -> None:
+    assert spearman([1.0], [2.0]) is None
+    assert spearman([1.0, 2.0, 3.0], [4.0, 4.0, 4.0]) is None
+    with pytest.raises(ValueError, match="one length"):
+        spearman([1.0, 2.0], [1.0])

@@ -23,6 +23,12 @@ class EvaluationConfig(Section):
         GenerationConfig(max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1),
         description="Sampling for the compared replies (the paper's evaluation settings).",
     )
+    length_matched_samples: int = Field(
+        4,
+        ge=1,
+        description="Replies per prompt and model the length-matched pairs are drawn from, the main reply "
+        "included (docs/evaluation.md); each one above 1 adds the main replies' generation time again.",
+    )
     tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
     judge_rm: Literal["in_sample", "independent"] = Field(
         "independent",

@@ -7,6 +7,7 @@ padded and sampled in batches by the same KV-cached `generate` call PPO's rollou
 each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
 both models of a comparison are sampled with the same seed and the caller's random state is untouched.
 Given a `desc`, a progress bar counts the prompts answered (rlhf_core/progress.py).
+`sample_replies` draws several replies per prompt (for the length-matched pairs, length_matching.py).
 """
 
 from __future__ import annotations
@@ -70,3 +71,22 @@ def generate_replies(
             if answered is not None:
                 answered.advance(len(encoded))
     return replies
+
+
+def sample_replies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[Message]],
+    settings: GenerationConfig,
+    batch_size: int,
+    seed: int,
+    samples: int,
+    desc: str | None = None,
+) -> list[list[Reply]]:
+    """`samples` replies per prompt (result[p]: the replies to prompts[p]): each prompt repeated `samples`
+    times in a row through `generate_replies`, so a batch holds copies of few prompts (little padding)."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    repeated = [prompt for prompt in prompts for _ in range(samples)]
+    replies = generate_replies(model, tokenizer, repeated, settings, batch_size, seed, desc)
+    return [replies[start : start + samples] for start in range(0, len(replies), samples)]

@@ -1,4 +1,5 @@
-"""The per-pair files of an evaluation: generations.jsonl (what was judged) and verdicts.jsonl (the verdicts).
+"""The per-pair files of an evaluation: generations.jsonl (what was judged) and verdicts.jsonl (the verdicts),
+and the same two for the length-matched pairs (length_matching.py).
 
 generations.jsonl, one line per evaluation prompt:
     prompt_id, category, prompt (list of {role, content}), reply_a, reply_b, tokens_a, tokens_b,
@@ -7,6 +8,9 @@ verdicts.jsonl, one line per pair, in the same order:
     prompt_id, pair_key, category, judge (its short name), verdict ("A", "B", "tie", "invalid"),
     tokens_a, tokens_b, and the judge's detail (reward-model scores, or the LLM's verdict in each order
     and its raw answers)
+generations_matched.jsonl / verdicts_matched.jsonl: the same lines for the length-matched pairs (one per
+    prompt that has one), generations with `sample_a` and `sample_b` added: which of each model's replies
+    to the prompt (0: the main reply of generations.jsonl)
 
 Any later judge (the human-evaluation flow) reads the pairs back with `read_generations`, so every
 judge sees the same pairs; `read_verdicts` gives another judge's verdicts by pair key, for agreement.
@@ -24,6 +28,7 @@ from typing import Any
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.generation import Reply
 from rlhf_core.evaluation.judges.verdicts import EvalPair, Judgement, Verdict
+from rlhf_core.evaluation.length_matching import MatchedPair
 from rlhf_core.evaluation.prompts import EvalPrompt
 
 
@@ -68,6 +73,14 @@ def generation_rows(
         }
         for prompt, a, b in zip(prompts, replies_a, replies_b)
     ]
+
+
+def matched_generation_rows(matched: Sequence[MatchedPair]) -> list[dict[str, Any]]:
+    """The lines of generations_matched.jsonl."""
+    rows = generation_rows(
+        [pair.prompt for pair in matched], [pair.reply_a for pair in matched], [pair.reply_b for pair in matched]
+    )
+    return [{**row, "sample_a": pair.sample_a, "sample_b": pair.sample_b} for row, pair in zip(rows, matched)]
 
 
 def read_generations(path: Path) -> list[GeneratedPair]:

@@ -1,9 +1,10 @@
 """The paper's Figure 10 for one comparison: stacked horizontal bars of win / tie / lose.
 
-One bar per group (all pairs, each category, the similar-length pairs), each split into the share of
-valid verdicts where model A won, tied and lost, labelled with the percentages; the title names the
-judge, so a chart never circulates without saying who judged. Drawn with matplotlib's object API on
-the Agg canvas (no pyplot, no global backend switch) and written atomically.
+One bar per group (all pairs, each category, the similar-length and the length-matched pairs), each
+split into the share of valid verdicts where model A won, tied and lost, labelled with the
+percentages; the title names the judge, so a chart never circulates without saying who judged. Drawn
+with matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) and written
+atomically.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ MIN_LABELLED_SHARE = 0.06
 
 
 def chart_rows(report: EvaluationReport) -> list[tuple[str, OutcomeSummary]]:
-    """The bars, top to bottom: all pairs, each category, similar-length pairs (those with valid verdicts)."""
+    """The bars, top to bottom: all pairs, each category, similar-length pairs, length-matched pairs (those
+    with valid verdicts)."""
     rows = [("all", report.overall), *report.by_category.items()]
     rows.append((f"similar length (±{report.length.similar_length_ratio:.0%})", report.length.similar_length))
+    if report.length_matched is not None:
+        rows.append(("length-matched", report.length_matched.outcome))
     return [(label, summary) for label, summary in rows if summary.valid]
 
 

@@ -1,6 +1,14 @@
 """The evaluation report (paper section 6): win/tie/lose of model A against model B, with uncertainty and
 the usual confounders in view.
 
+Length first (issue 27): PPO learns reply length before anything else and judges reward it, so the
+headline is what length cannot fake:
+- the length-controlled win rate (AlpacaEval 2.0; length_control.py) with its bootstrap interval,
+- the outcome over length-matched pairs, drawn judge-blind from several replies per prompt and model
+  (length_matching.py), with a warning under `MIN_LENGTH_MATCHED_PAIRS`,
+- the length ratio A / B of the main replies, and, for a scoring judge, the Spearman correlation of
+  its scores with the length of model B's replies (how much the judge itself pays for length).
+Then the plain figures:
 - Rates: win, tie and lose rates over the pairs with a valid verdict, each with a 95% Wilson interval;
   invalid verdicts are counted and shown, never folded into a rate.
 - Win minus loss (the promotion gate's figure) with a paired bootstrap interval (statistics.py).
@@ -16,8 +24,8 @@ the usual confounders in view.
 - The alignment tax (alignment_tax.py).
 - Which judge produced it; an in-sample reward-model judge is flagged.
 
-`EvaluationReport` is saved as report.json; `render_markdown` gives report.md and `metrics` the flat
-figures of metrics.json. Quantities that are undefined (no valid pair) are None / left out.
+`EvaluationReport` is saved as report.json and `metrics` gives the flat figures of metrics.json
+(report_markdown.py renders report.md). Quantities that are undefined (no valid pair) are None / left out.
 """
 
 from __future__ import annotations
@@ -31,17 +39,20 @@ from pydantic import BaseModel
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
+from rlhf_core.evaluation.length_control import LengthControlledWinRate, length_controlled_win_rate
 from rlhf_core.statistics import (
     DEFAULT_RESAMPLES,
     bootstrap_mean_interval,
     cohens_kappa,
     paired_bootstrap_interval,
     percent_agreement,
+    spearman,
     wilson_interval,
 )
 
 SIMILAR_LENGTH_RATIO = 0.2
 CONFIDENCE = 0.95
+MIN_LENGTH_MATCHED_PAIRS = 60  # issue 27: fewer length-matched pairs than this are too few to lean on
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class JudgedPair:
     tokens_b: int
     verdict: Verdict
     score_diff: float | None = None  # the judge's score of A's reply minus B's; None: the judge gives no scores
+    score_b: float | None = None  # the judge's score of B's reply; None: the judge gives no scores
 
 
 class Rate(BaseModel):
@@ -95,6 +107,22 @@ class LengthSummary(BaseModel):
     mean_tokens_b: float
     similar_length_ratio: float
     similar_length: OutcomeSummary
+
+    @property
+    def length_ratio(self) -> float | None:
+        """Mean tokens of A's replies over B's (policy / SFT in the pipeline); None when B's are all empty."""
+        return self.mean_tokens_a / self.mean_tokens_b if self.mean_tokens_b > 0 else None
+
+
+class LengthMatchedSummary(BaseModel):
+    """The outcome over the length-matched pairs: per prompt, the closest-length pair of
+    `samples_per_model` replies of each model, kept when within `ratio` of the longer (length_matching.py)."""
+
+    samples_per_model: int
+    ratio: float
+    mean_tokens_a: float
+    mean_tokens_b: float
+    outcome: OutcomeSummary
 
 
 class Agreement(BaseModel):
@@ -140,10 +168,26 @@ class EvaluationReport(BaseModel):
     agreement: list[Agreement]
     alignment_tax: AlignmentTaxSummary | None
     score_diff: ScoreDifference | None = None  # None: the judge gives no scores (LLM, people)
+    length_controlled: LengthControlledWinRate | None = None  # None: no valid verdict
+    length_matched: LengthMatchedSummary | None = None  # None: no length-matched pairs were judged
 
     def metrics(self) -> dict[str, float]:
-        """The flat figures of metrics.json (undefined ones left out)."""
-        figures: dict[str, float] = {"prompts": float(self.prompts), "judge_in_sample": float(self.judge.in_sample)}
+        """The flat figures of metrics.json (undefined ones left out), the length-controlled ones first."""
+        figures: dict[str, float] = {}
+        if self.length_controlled is not None:
+            figures["lc_win_rate"] = self.length_controlled.rate
+            figures["lc_win_rate_low"] = self.length_controlled.low
+            figures["lc_win_rate_high"] = self.length_controlled.high
+            figures["lc_pairs"] = float(self.length_controlled.pairs)
+            figures["lc_length_coefficient"] = self.length_controlled.phi
+        if self.length.length_ratio is not None:
+            figures["length_ratio"] = self.length.length_ratio
+        if self.length_matched is not None:
+            figures.update(_outcome_figures("length_matched/", self.length_matched.outcome))
+            figures["length_matched/samples_per_model"] = float(self.length_matched.samples_per_model)
+            figures["length_matched/mean_tokens_a"] = self.length_matched.mean_tokens_a
+            figures["length_matched/mean_tokens_b"] = self.length_matched.mean_tokens_b
+        figures.update({"prompts": float(self.prompts), "judge_in_sample": float(self.judge.in_sample)})
         figures.update(_outcome_figures("", self.overall))
         if self.score_diff is not None:
             figures.update(
@@ -170,6 +214,7 @@ class EvaluationReport(BaseModel):
             figures["perplexity_a"] = self.alignment_tax.perplexity_a
             figures["perplexity_b"] = self.alignment_tax.perplexity_b
             figures["alignment_tax"] = self.alignment_tax.change
+            figures["alignment_tax_relative"] = self.alignment_tax.relative_change
         figures.update({f"judge/{name}": value for name, value in self.judge.figures.items()})
         return figures
 
@@ -236,6 +281,57 @@ def summarise_score_differences(
     return ScoreDifference(pairs=len(differences), mean=sum(differences) / len(differences), low=low, high=high)
 
 
+def summarise_length_control(
+    pairs: Sequence[JudgedPair], seed: int, resamples: int = DEFAULT_RESAMPLES
+) -> LengthControlledWinRate | None:
+    """The length-controlled win rate over the pairs with a valid verdict (A win 1, tie 0.5, B win 0);
+    None when there is none."""
+    valid = [pair for pair in pairs if pair.verdict is not Verdict.INVALID]
+    if not valid:
+        return None
+    return length_controlled_win_rate(
+        [(pair.verdict.outcome + 1) / 2 for pair in valid],
+        [pair.tokens_a - pair.tokens_b for pair in valid],
+        CONFIDENCE,
+        resamples,
+        seed,
+    )
+
+
+def summarise_length_matched(
+    pairs: Sequence[JudgedPair], samples_per_model: int, seed: int, resamples: int = DEFAULT_RESAMPLES
+) -> LengthMatchedSummary:
+    """The outcome and mean lengths of the judged length-matched pairs (possibly none)."""
+    count = max(len(pairs), 1)
+    return LengthMatchedSummary(
+        samples_per_model=samples_per_model,
+        ratio=SIMILAR_LENGTH_RATIO,
+        mean_tokens_a=sum(pair.tokens_a for pair in pairs) / count,
+        mean_tokens_b=sum(pair.tokens_b for pair in pairs) / count,
+        outcome=summarise_outcomes([pair.verdict for pair in pairs], seed, resamples),
+    )
+
+
+def judge_figures(judge: JudgeInfo, pairs: Sequence[JudgedPair]) -> dict[str, float]:
+    """The judge's own figures, plus for a scoring judge `reward_length_spearman_b`: the Spearman
+    correlation of its scores of model B's replies with their length in tokens (left out where undefined)."""
+    scored = [pair for pair in pairs if pair.score_b is not None]
+    correlation = spearman([pair.score_b for pair in scored], [pair.tokens_b for pair in scored])
+    extra = {} if correlation is None else {"reward_length_spearman_b": correlation}
+    return {**judge.figures, **extra}
+
+
+def summarise_alignment_tax(tax: AlignmentTax) -> AlignmentTaxSummary:
+    """The report's copy of the alignment tax."""
+    return AlignmentTaxSummary(
+        replies=tax.replies,
+        perplexity_a=tax.perplexity_a,
+        perplexity_b=tax.perplexity_b,
+        change=tax.change,
+        relative_change=tax.relative_change,
+    )
+
+
 def is_similar_length(tokens_a: int, tokens_b: int, ratio: float = SIMILAR_LENGTH_RATIO) -> bool:
     """|tokens_a - tokens_b| <= ratio * max(tokens_a, tokens_b) (two empty replies are similar)."""
     return abs(tokens_a - tokens_b) <= ratio * max(tokens_a, tokens_b)
@@ -273,8 +369,12 @@ def build_report(
     alignment_tax: AlignmentTax | None = None,
     other_judges: Mapping[str, Mapping[str, Verdict]] | None = None,
     resamples: int = DEFAULT_RESAMPLES,
+    length_matched: Sequence[JudgedPair] | None = None,
+    samples_per_model: int = 1,
 ) -> EvaluationReport:
-    """The report of judged `pairs`; `other_judges` maps a judge's name to its verdicts by pair key."""
+    """The report of judged `pairs` (one per prompt, the main replies); `other_judges` maps a judge's name
+    to its verdicts by pair key; `length_matched`: the judged length-matched pairs, drawn from
+    `samples_per_model` replies per prompt and model (None: none were drawn)."""
     if not pairs:
         raise ValueError("build_report: no judged pairs")
     verdicts = [pair.verdict for pair in pairs]
@@ -289,15 +389,6 @@ def build_report(
     )
     similar = [pair.verdict for pair in pairs if is_similar_length(pair.tokens_a, pair.tokens_b)]
     by_key = {pair.pair_key: pair.verdict for pair in pairs}
-    tax = None
-    if alignment_tax is not None:
-        tax = AlignmentTaxSummary(
-            replies=alignment_tax.replies,
-            perplexity_a=alignment_tax.perplexity_a,
-            perplexity_b=alignment_tax.perplexity_b,
-            change=alignment_tax.change,
-            relative_change=alignment_tax.relative_change,
-        )
     return EvaluationReport(
         model_a=model_a,
         model_b=model_b,
@@ -306,7 +397,7 @@ def build_report(
             name=judge.name,
             description=judge.description,
             in_sample=judge.in_sample,
-            figures=judge.figures,
+            figures=judge_figures(judge, pairs),
         ),
         prompts=len(pairs),
         generation=generation,
@@ -321,100 +412,12 @@ def build_report(
         agreement=[
             judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
         ],
-        alignment_tax=tax,
+        alignment_tax=None if alignment_tax is None else summarise_alignment_tax(alignment_tax),
         score_diff=summarise_score_differences(pairs, seed, resamples),
+        length_controlled=summarise_length_control(pairs, seed, resamples),
+        length_matched=(
+            None
+            if length_matched is None
+            else summarise_length_matched(length_matched, samples_per_model, seed, resamples)
+        ),
     )
-
-
-# ---- report.md
-
-
-def _rate_cell(rate: Rate | None, signed: bool = False) -> str:
-    if rate is None:
-        return "n/a"
-    sign = "+" if signed else ""
-    return f"{rate.rate:{sign}.1%} ({rate.low:{sign}.1%} to {rate.high:{sign}.1%})"
-
-
-def _outcome_row(label: str, summary: OutcomeSummary) -> str:
-    return (
-        f"| {label} | {summary.valid} | {_rate_cell(summary.win)} | {_rate_cell(summary.tie)} | "
-        f"{_rate_cell(summary.lose)} | {_rate_cell(summary.win_minus_loss, signed=True)} | {summary.invalid} |"
-    )
-
-
-def _score_diff_lines(difference: ScoreDifference | None) -> list[str]:
-    if difference is None:
-        return []
-    return [
-        "",
-        (
-            f"Judge score of A's reply minus B's, per pair: mean {difference.mean:+.4g} (95% paired bootstrap "
-            f"interval {difference.low:+.4g} to {difference.high:+.4g}) over {difference.pairs} pairs."
-        ),
-    ]
-
-
-def render_markdown(report: EvaluationReport) -> str:
-    """report.md: the figures of the report for people, judge first."""
-    lines = [
-        f"# Evaluation: {report.model_a} (A) vs {report.model_b} (B)",
-        "",
-        f"**Judge:** {report.judge.description}.",
-    ]
-    if report.judge.in_sample:
-        lines += [
-            "",
-            (
-                "> **In-sample judge.** This reward model is the one PPO optimised against: the policy was "
-                "trained to please it, so these verdicts overstate its quality. Judge with an independent "
-                "reward model (trained on a disjoint split), an LLM or people before promoting on this evidence."
-            ),
-        ]
-    generation = report.generation
-    lines += [
-        "",
-        (
-            f"{report.prompts} held-out prompts, one reply per model (top-p {generation.top_p:g}, temperature "
-            f"{generation.temperature:g}, repetition penalty {generation.repetition_penalty:g}, at most "
-            f"{generation.max_new_tokens} new tokens). Rates are over the pairs with a valid verdict, with 95% "
-            "Wilson intervals; win minus lose has a 95% paired bootstrap interval."
-        ),
-        "",
-        "| pairs | valid | A wins | tie | B wins | win - lose | invalid |",
-        "|---|---|---|---|---|---|---|",
-        _outcome_row("all", report.overall),
-        *(_outcome_row(name, summary) for name, summary in report.by_category.items()),
-        _outcome_row(
-            f"similar length (within {report.length.similar_length_ratio:.0%})", report.length.similar_length
-        ),
-        *_score_diff_lines(report.score_diff),
-        "",
-        f"Mean reply length: A {report.length.mean_tokens_a:.1f} tokens, B {report.length.mean_tokens_b:.1f} tokens.",
-    ]
-    if report.alignment_tax is not None:
-        tax = report.alignment_tax
-        lines += [
-            "",
-            (
-                f"Alignment tax: perplexity of {tax.replies} held-out SFT replies {tax.perplexity_a:.3f} (A) vs "
-                f"{tax.perplexity_b:.3f} (B), a change of {tax.change:+.3f} ({tax.relative_change:+.1%}; "
-                "positive: A predicts them worse)."
-            ),
-        ]
-    for agreement in report.agreement:
-        if agreement.pairs == 0:
-            lines += ["", f"Agreement with {agreement.other_judge}: no pair judged validly by both."]
-            continue
-        kappa = "undefined" if agreement.kappa is None else f"{agreement.kappa:.3f}"
-        lines += [
-            "",
-            (
-                f"Agreement with {agreement.other_judge} on {agreement.pairs} pairs: {agreement.percent:.1%}, "
-                f"Cohen's kappa {kappa}."
-            ),
-        ]
-    if report.judge.figures:
-        figures = ", ".join(f"{name} {value:g}" for name, value in report.judge.figures.items())
-        lines += ["", f"Judge figures: {figures}."]
-    return "\n".join(lines) + "\n"

@@ -11,6 +11,10 @@ Outputs in `out_dir`:
 
     generations.jsonl    both models' replies to each prompt, with prompt ids (outputs.py)
     verdicts.jsonl       the judge's verdict on each pair and what it was based on
+    generations_matched.jsonl, verdicts_matched.jsonl
+                         the same for the length-matched pairs: per prompt, the closest-length pair of
+                         `evaluation.length_matched_samples` replies per model, chosen before judging
+                         (length_matching.py); the report leads with them and the length-controlled win rate
     report.json          the EvaluationReport (report.py)
     report.md            the same for people
     plots/win_rate.png   the paper's Figure 10-style win/tie/lose chart
@@ -33,19 +37,22 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import Config
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
-from rlhf_core.evaluation.generation import Reply, generate_replies
+from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
 from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import Judge, Judgement, Verdict
+from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.outputs import (
     GeneratedPair,
     generation_rows,
+    matched_generation_rows,
     read_generations,
     read_verdicts,
     verdict_rows,
@@ -54,7 +61,8 @@ from rlhf_core.evaluation.outputs import (
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report, render_markdown
+from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
+from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.output_lock import output_lock
@@ -68,6 +76,9 @@ JUDGES: tuple[str, ...] = ("rm", "llm")
 GENERATION_BATCH_SIZE = 8
 GENERATIONS_FILE = "generations.jsonl"
 VERDICTS_FILE = "verdicts.jsonl"
+MATCHED_GENERATIONS_FILE = "generations_matched.jsonl"
+MATCHED_VERDICTS_FILE = "verdicts_matched.jsonl"
+EXTRA_SAMPLES_SEED_OFFSET = 1  # the extra replies are sampled from seed + this: other draws than the main ones
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PLOT_FILE = Path("plots") / "win_rate.png"
@@ -88,26 +99,68 @@ def check_judge(judge: str, rm_dir: Path | None) -> None:
         raise ValueError("the reward-model judge needs a reward model: pass rm_dir (a train-rm output directory)")
 
 
-def model_replies(
-    config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device, label: str
-) -> tuple[list[Reply], float, int]:
-    """One model's replies to `prompts` (a progress bar named by `label` counts them), and its perplexity on
-    their held-out reference replies (and count)."""
-    model, tokenizer = load_causal_lm(model_dir, dtype=DTYPES[config.model.dtype], device=device)
-    replies = generate_replies(
+@dataclass(frozen=True)
+class ModelReplies:
+    """One model's replies: the main reply to each prompt, `extra[p]` the further replies to prompt p for
+    the length-matched pairs, and its perplexity on the held-out reference replies (and their count)."""
+
+    main: list[Reply]
+    extra: list[list[Reply]]
+    perplexity: float
+    measured: int
+
+    def samples(self) -> list[list[Reply]]:
+        """Every reply to each prompt, the main one first."""
+        return [[main, *extra] for main, extra in zip(self.main, self.extra)]
+
+
+def draw_replies(
+    config: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[EvalPrompt],
+    label: str | None,
+) -> tuple[list[Reply], list[list[Reply]]]:
+    """The main reply to each prompt (seed `seed`) and, for the length-matched pairs, the
+    `evaluation.length_matched_samples - 1` further replies to each (seed `seed + 1`); with `label`,
+    progress bars named by it count them."""
+    settings = config.evaluation
+    messages = [prompt.prompt for prompt in prompts]
+    main = generate_replies(
         model,
         tokenizer,
-        [prompt.prompt for prompt in prompts],
-        config.evaluation.generation,
+        messages,
+        settings.generation,
         GENERATION_BATCH_SIZE,
         config.seed,
-        desc=f"eval: {label}",
+        desc=None if label is None else f"eval: {label}",
     )
+    if settings.length_matched_samples == 1:
+        return main, [[] for _ in prompts]
+    extra = sample_replies(
+        model,
+        tokenizer,
+        messages,
+        settings.generation,
+        GENERATION_BATCH_SIZE,
+        config.seed + EXTRA_SAMPLES_SEED_OFFSET,
+        settings.length_matched_samples - 1,
+        desc=None if label is None else f"eval: {label}, length-matched samples",
+    )
+    return main, extra
+
+
+def model_replies(
+    config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device, label: str
+) -> ModelReplies:
+    """One model's replies to `prompts` (`draw_replies`) and its perplexity on their reference replies."""
+    model, tokenizer = load_causal_lm(model_dir, dtype=DTYPES[config.model.dtype], device=device)
+    main, extra = draw_replies(config, model, tokenizer, prompts, label)
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, measured = reply_perplexity(
         model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size
     )
-    return replies, perplexity, measured
+    return ModelReplies(main, extra, perplexity, measured)
 
 
 def build_judge(
@@ -190,18 +243,33 @@ def check_inputs(
     return CheckedInputs(dir_a, dir_b, prompts, endpoint, in_sample, others)
 
 
+@dataclass(frozen=True)
+class GeneratedPairs:
+    """What the judge is asked about: the main pair of each prompt and the length-matched pairs."""
+
+    main: list[GeneratedPair]
+    matched: list[GeneratedPair]
+
+
 def generate_pairs(
     config: Config, checked: CheckedInputs, out_dir: Path, device: torch.device, logger: MetricsLogger
-) -> tuple[list[GeneratedPair], AlignmentTax]:
-    """Both models' replies, stored in generations.jsonl and read back (the judge sees exactly what was
-    stored), and the alignment tax: each model's perplexity on the held-out reference replies."""
-    replies_a, perplexity_a, measured = model_replies(config, checked.dir_a, checked.prompts, device, "model A")
+) -> tuple[GeneratedPairs, AlignmentTax]:
+    """Both models' replies, stored in generations.jsonl and generations_matched.jsonl and read back (the
+    judge sees exactly what was stored), and the alignment tax: each model's perplexity on the held-out
+    reference replies."""
+    replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A")
     logger.log_metrics({"progress": 0.3}, step=1)
-    replies_b, perplexity_b, _ = model_replies(config, checked.dir_b, checked.prompts, device, "model B")
+    replies_b = model_replies(config, checked.dir_b, checked.prompts, device, "model B")
     logger.log_metrics({"progress": 0.6}, step=2)
-    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(checked.prompts, replies_a, replies_b))
-    tax = AlignmentTax(replies=measured, perplexity_a=perplexity_a, perplexity_b=perplexity_b)
-    return read_generations(out_dir / GENERATIONS_FILE), tax
+    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(checked.prompts, replies_a.main, replies_b.main))
+    matched = length_matched_pairs(checked.prompts, replies_a.samples(), replies_b.samples())
+    write_jsonl(out_dir / MATCHED_GENERATIONS_FILE, matched_generation_rows(matched))
+    tax = AlignmentTax(replies_a.measured, perplexity_a=replies_a.perplexity, perplexity_b=replies_b.perplexity)
+    pairs = GeneratedPairs(
+        main=read_generations(out_dir / GENERATIONS_FILE),
+        matched=read_generations(out_dir / MATCHED_GENERATIONS_FILE),
+    )
+    return pairs, tax
 
 
 def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgement]) -> list[JudgedPair]:
@@ -214,9 +282,28 @@ def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgem
             item.tokens_b,
             judgement.verdict,
             judgement.score_diff,
+            judgement.score_b,
         )
         for item, judgement in zip(generated, judgements)
     ]
+
+
+def judge_pairs(
+    judge: Judge, generated: GeneratedPairs, out_dir: Path
+) -> tuple[list[Judgement], list[Judgement]]:
+    """The verdicts on the main and on the length-matched pairs, written to verdicts.jsonl and
+    verdicts_matched.jsonl. One call, and a length-matched pair that is a prompt's main pair is judged
+    once, so no reply is scored (and no LLM request sent) twice."""
+    main_keys = {item.pair.pair_key for item in generated.main}
+    asked = generated.main + [item for item in generated.matched if item.pair.pair_key not in main_keys]
+    judgements = judge.judge([item.pair for item in asked])
+    by_key = {item.pair.pair_key: judgement for item, judgement in zip(asked, judgements)}
+    main = judgements[: len(generated.main)]
+    matched = [by_key[item.pair.pair_key] for item in generated.matched]
+    name = judge.info().name
+    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, main, name))
+    write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, matched, name))
+    return main, matched
 
 
 def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None:
@@ -273,18 +360,19 @@ def run_evaluate(
         generated, tax = generate_pairs(config, checked, out_dir, device, logger)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
-        judgements = judge_impl.judge([item.pair for item in generated])
+        judgements, matched_judgements = judge_pairs(judge_impl, generated, out_dir)
         info = judge_impl.info()
-        write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated, judgements, info.name))
         logger.log_metrics({"progress": 0.9}, step=3)
         report = build_report(
-            judged_pairs(generated, judgements),
+            judged_pairs(generated.main, judgements),
             info,
             *(names or (str(model_a), str(model_b))),
             config.evaluation.generation,
             config.seed,
             alignment_tax=tax,
             other_judges=checked.others,
+            length_matched=judged_pairs(generated.matched, matched_judgements),
+            samples_per_model=config.evaluation.length_matched_samples,
         )
         write_report(report, Path(model_a), out_dir)
         metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}

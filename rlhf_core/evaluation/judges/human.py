@@ -13,6 +13,10 @@ A session lives in one directory (`out_dir`):
 
     generations.jsonl   the pairs (rlhf eval's file format, outputs.py), copied in so the session is
                         self-contained and a later run can check it is asked about the same pairs
+    generations_matched.jsonl
+                        the length-matched pairs (length_matching.py), when the session is given them:
+                        asked after the main pairs (those not among them), for the report's
+                        length-matched figures
     plan.json           the seed and, per pair in asking order, its position, pair key, prompt id and
                         whether it is shown swapped (written once, atomically)
     answers.jsonl       one line per answered pair, appended and fsynced as each form is submitted
@@ -29,7 +33,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TypeVar
@@ -43,6 +47,7 @@ from rlhf_core.evaluation.outputs import GeneratedPair, read_generations, read_v
 JUDGE_KIND = "human"
 JUDGE_NAME = "human"
 PAIRS_FILE = "generations.jsonl"  # the name `rlhf eval` gives the same file
+MATCHED_PAIRS_FILE = "generations_matched.jsonl"  # the name `rlhf eval` gives the length-matched pairs
 PLAN_FILE = "plan.json"
 ANSWERS_FILE = "answers.jsonl"
 VERDICTS_FILE = "verdicts.jsonl"  # the name `rlhf eval` gives verdicts; checked so no other judge's are overwritten
@@ -208,13 +213,20 @@ def read_answers(path: Path) -> dict[str, HumanAnswer]:
 # ---- a session directory
 
 
+def asked_pairs(generated: Sequence[GeneratedPair], matched: Sequence[GeneratedPair]) -> list[GeneratedPair]:
+    """The pairs a session asks, in order: the main pairs, then the length-matched pairs not among them."""
+    keys = {item.pair.pair_key for item in generated}
+    return [*generated, *(item for item in matched if item.pair.pair_key not in keys)]
+
+
 @dataclass(frozen=True)
 class HumanSession:
-    """The pairs, the plan and the answers file of one session directory."""
+    """The pairs (main and length-matched), the plan and the answers file of one session directory."""
 
     out_dir: Path
     generated: list[GeneratedPair]
     plan: SessionPlan
+    matched: list[GeneratedPair] = field(default_factory=list)
 
     @property
     def answers_path(self) -> Path:
@@ -226,7 +238,7 @@ class HumanSession:
 
     def shown(self) -> list[ShownPair]:
         """Every pair as shown, in asking order."""
-        by_key = {generated.pair.pair_key: generated for generated in self.generated}
+        by_key = {generated.pair.pair_key: generated for generated in [*self.generated, *self.matched]}
         return [ShownPair(planned, by_key[planned.pair_key]) for planned in self.plan.pairs]
 
     def pending(self) -> list[ShownPair]:
@@ -243,14 +255,21 @@ class HumanSession:
         append_answers(self.answers_path, answers)
 
     def judgements(self) -> list[Judgement]:
-        """One verdict per pair, in generations order, un-swapped; every pair must be answered."""
+        """One verdict per main pair, in generations order, un-swapped; every pair must be answered."""
+        return self._judgements(self.generated)
+
+    def matched_judgements(self) -> list[Judgement]:
+        """One verdict per length-matched pair, in their file's order, un-swapped."""
+        return self._judgements(self.matched)
+
+    def _judgements(self, pairs: Sequence[GeneratedPair]) -> list[Judgement]:
         answers = self.answers()
         planned = {pair.pair_key: pair for pair in self.plan.pairs}
         missing = [pair.position for pair in self.plan.pairs if pair.pair_key not in answers]
         if missing:
             raise ValueError(f"{self.out_dir}: pairs {missing} have no answer yet")
         judgements = []
-        for generated in self.generated:
+        for generated in pairs:
             answer, pair = answers[generated.pair.pair_key], planned[generated.pair.pair_key]
             judgements.append(
                 Judgement(
@@ -279,8 +298,22 @@ class HumanSession:
         )
 
 
-def open_session(out_dir: Path, generations: Path, seed: int) -> HumanSession:
-    """Start a session on the pairs of `generations` in `out_dir`, or resume the one already there.
+def copy_pairs(source: Path, copy: Path) -> list[GeneratedPair]:
+    """The pairs of `source`, copied to `copy` unless it is there; refuses a `copy` of other pairs."""
+    pairs = read_generations(source)
+    if not copy.is_file():
+        atomic_write_text(copy, source.read_text(encoding="utf-8"))
+    elif [item.pair.pair_key for item in read_generations(copy)] != [item.pair.pair_key for item in pairs]:
+        raise ValueError(
+            f"{copy.parent} holds a session on other pairs than {source}; resume it with its own "
+            f"{copy.name} or start the new session in another directory"
+        )
+    return pairs
+
+
+def open_session(out_dir: Path, generations: Path, seed: int, matched: Path | None = None) -> HumanSession:
+    """Start a session on the pairs of `generations` (and the length-matched pairs of `matched`, if
+    given) in `out_dir`, or resume the one already there (with its copy of the length-matched pairs).
 
     Refuses a directory that holds another judge's verdicts, or a session on other pairs.
     """
@@ -292,27 +325,24 @@ def open_session(out_dir: Path, generations: Path, seed: int) -> HumanSession:
             raise ValueError(
                 f"{out_dir} holds the {judge} judge's evaluation; give the human session its own directory"
             )
-    pairs = read_generations(Path(generations))
-    if not pairs:
+    if not read_generations(Path(generations)):
         raise ValueError(f"{generations} holds no pairs")
-    copy = out_dir / PAIRS_FILE
-    if not copy.is_file():
-        atomic_write_text(copy, Path(generations).read_text(encoding="utf-8"))
-    elif [item.pair.pair_key for item in read_generations(copy)] != [item.pair.pair_key for item in pairs]:
-        raise ValueError(
-            f"{out_dir} holds a session on other pairs than {generations}; resume it with its own "
-            f"{PAIRS_FILE} or start the new session in another directory"
-        )
+    pairs = copy_pairs(Path(generations), out_dir / PAIRS_FILE)
+    matched_copy = out_dir / MATCHED_PAIRS_FILE
+    if matched is not None:
+        copy_pairs(Path(matched), matched_copy)
+    matched_pairs = read_generations(matched_copy) if matched_copy.is_file() else []
+    asked = asked_pairs(pairs, matched_pairs)
     plan_path = out_dir / PLAN_FILE
     if plan_path.is_file():
         plan = SessionPlan.model_validate_json(plan_path.read_text(encoding="utf-8"))
-        if [pair.pair_key for pair in plan.pairs] != [item.pair.pair_key for item in pairs]:
-            raise ValueError(f"{plan_path} plans other pairs than {copy}; the session directory is inconsistent")
+        if [pair.pair_key for pair in plan.pairs] != [item.pair.pair_key for item in asked]:
+            raise ValueError(f"{plan_path} plans other pairs than the session holds; the directory is inconsistent")
     else:
-        plan = plan_session(pairs, seed)
+        plan = plan_session(asked, seed)
         atomic_write_text(plan_path, plan.model_dump_json(indent=2) + "\n")
     drop_torn_line(out_dir / ANSWERS_FILE)
-    session = HumanSession(out_dir=out_dir, generated=pairs, plan=plan)
+    session = HumanSession(out_dir=out_dir, generated=pairs, plan=plan, matched=matched_pairs)
     unknown = set(session.answers()) - {pair.pair_key for pair in plan.pairs}
     if unknown:
         raise ValueError(f"{out_dir / ANSWERS_FILE} answers {len(unknown)} pairs that are not in {PAIRS_FILE}")

@@ -64,6 +64,11 @@ class Judgement:
             return None
         return float(self.detail["score_a"]) - float(self.detail["score_b"])
 
+    @property
+    def score_b(self) -> float | None:
+        """The judge's score of B's reply (`score_b` of the detail); None for a judge without scores."""
+        return float(self.detail["score_b"]) if "score_b" in self.detail else None
+
 
 @dataclass(frozen=True)
 class JudgeInfo:

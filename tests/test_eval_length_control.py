@@ -1,0 +1,138 @@
+"""The length-controlled win rate (AlpacaEval 2.0 style): the fit against plain references, its bootstrap
+against a loop that refits each resample, degenerate inputs, and synthetic judges that prefer length
+or quality."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rlhf_core.evaluation.length_control import REGULARISATION, length_controlled_win_rate
+
+
+def plain_gradient_descent(preferences: np.ndarray, differences: np.ndarray, steps: int = 20_000) -> np.ndarray:
+    """(theta, phi) by plain gradient descent on the mean penalised log loss, from (0, 0)."""
+    scale = np.std(differences, ddof=1) if len(differences) > 1 else 0.0
+    features = np.tanh(differences / scale) if scale > 0 else np.zeros_like(differences)
+    params = np.zeros(2)
+    count = len(preferences)
+    for _ in range(steps):
+        probabilities = 1 / (1 + np.exp(-(params[0] + params[1] * features)))
+        residual = probabilities - preferences
+        gradient = np.array([residual.sum(), (residual * features).sum()]) + REGULARISATION * params
+        params -= 2.0 / count * gradient  # step 2 / N: below 1 / L, L <= N / 2 + regularisation
+    return params
+
+
+def synthetic_pairs(seed: int, count: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """Token lengths of A's and B's replies: A is longer on about four pairs in five."""
+    rng = np.random.default_rng(seed)
+    tokens_a = np.maximum(1, rng.normal(80, 20, count)).round()
+    tokens_b = np.maximum(1, rng.normal(50, 20, count)).round()
+    return tokens_a, tokens_b
+
+
+def test_the_fit_matches_plain_gradient_descent() -> None:
+    rng = np.random.default_rng(0)
+    differences = rng.normal(5, 30, 150).round()
+    features = np.tanh(differences / differences.std(ddof=1))
+    preferences = (rng.random(150) < 1 / (1 + np.exp(-(0.4 + 1.2 * features)))).astype(float)
+    preferences[:20] = 0.5  # some ties
+    result = length_controlled_win_rate(preferences, differences, resamples=10, seed=0)
+    theta, phi = plain_gradient_descent(preferences, differences)
+    assert (result.theta, result.phi) == pytest.approx((theta, phi), abs=1e-6)
+    assert result.rate == pytest.approx(1 / (1 + math.exp(-theta)), abs=1e-7)
+    assert result.length_scale == pytest.approx(differences.std(ddof=1))
+    assert result.pairs == 150
+
+
+def test_the_fit_matches_scipy() -> None:
+    optimize = pytest.importorskip("scipy.optimize")
+    tokens_a, tokens_b = synthetic_pairs(seed=4, count=120)
+    differences = tokens_a - tokens_b
+    rng = np.random.default_rng(4)
+    preferences = rng.choice([0.0, 0.5, 1.0], size=120, p=[0.3, 0.2, 0.5])
+    features = np.tanh(differences / differences.std(ddof=1))
+
+    def objective(params: np.ndarray) -> float:
+        logits = params[0] + params[1] * features
+        return float((np.logaddexp(0, logits) - preferences * logits).sum() + REGULARISATION / 2 * params @ params)
+
+    reference = optimize.minimize(objective, np.zeros(2), method="BFGS", options={"gtol": 1e-9}).x
+    result = length_controlled_win_rate(preferences, differences, resamples=10)
+    assert (result.theta, result.phi) == pytest.approx(tuple(reference), abs=1e-5)
+
+
+def test_the_bootstrap_matches_refitting_each_resample() -> None:
+    rng = np.random.default_rng(1)
+    differences = rng.normal(0, 20, 40).round()
+    preferences = rng.choice([0.0, 0.5, 1.0], size=40)
+    result = length_controlled_win_rate(preferences, differences, confidence=0.9, resamples=300, seed=7)
+    draws = np.random.default_rng(7).integers(0, 40, size=(300, 40))
+    rates = sorted(
+        length_controlled_win_rate(preferences[row], differences[row], resamples=1).rate for row in draws
+    )
+    assert (result.low, result.high) == pytest.approx(tuple(np.quantile(rates, [0.05, 0.95])), abs=1e-7)
+    assert result.low <= result.rate <= result.high
+    assert length_controlled_win_rate(preferences, differences, resamples=300, seed=7) == (
+        length_controlled_win_rate(preferences, differences, resamples=300, seed=7)
+    )
+
+
+@pytest.mark.parametrize("judge_prefers", ["longer", "shorter"])
+@pytest.mark.parametrize("noise_seed", [12, 13, 14])
+def test_a_pure_length_judge_gives_an_even_length_controlled_rate(judge_prefers: str, noise_seed: int) -> None:
+    tokens_a, tokens_b = synthetic_pairs(seed=2)
+    differences = tokens_a - tokens_b
+    noise = np.random.default_rng(noise_seed).normal(0, 30, len(differences))  # as wide as the differences
+    sign = 1 if judge_prefers == "longer" else -1
+    preferences = (sign * differences + noise > 0).astype(float)  # length alone (and noise) decides
+    raw = preferences.mean()
+    result = length_controlled_win_rate(preferences, differences, resamples=1000, seed=0)
+    assert abs(raw - 0.5) > 0.2  # the raw rate says A is far better (or worse)
+    assert result.rate == pytest.approx(0.5, abs=0.12)
+    assert result.low <= 0.5 <= result.high
+    assert sign * result.phi > 1  # the length term took the preference
+
+
+def test_a_quality_judge_independent_of_length_keeps_the_raw_rate() -> None:
+    tokens_a, tokens_b = synthetic_pairs(seed=3)
+    rng = np.random.default_rng(13)
+    preferences = rng.choice([0.0, 0.5, 1.0], size=len(tokens_a), p=[0.2, 0.1, 0.7])  # A is better, length aside
+    result = length_controlled_win_rate(preferences, tokens_a - tokens_b, resamples=1000, seed=0)
+    assert result.rate == pytest.approx(preferences.mean(), abs=0.05)
+    assert result.low < preferences.mean() < result.high
+    assert result.low > 0.5
+
+
+def test_degenerate_inputs_give_finite_rates() -> None:
+    differences = np.arange(-20, 20, dtype=float)
+    ties = length_controlled_win_rate(np.full(40, 0.5), differences, resamples=200)
+    assert (ties.rate, ties.low, ties.high, ties.theta, ties.phi) == (0.5, 0.5, 0.5, 0.0, 0.0)
+
+    wins = length_controlled_win_rate(np.ones(40), differences, resamples=200)
+    losses = length_controlled_win_rate(np.zeros(40), differences, resamples=200)
+    assert 0.99 < wins.low <= wins.rate <= wins.high < 1
+    assert losses.rate == pytest.approx(1 - wins.rate) and 0 < losses.rate < 0.01
+
+    same_length = length_controlled_win_rate([1.0, 0.0, 1.0, 1.0], [3, 3, 3, 3], resamples=200)
+    assert same_length.length_scale == 0 and same_length.phi == 0
+    assert same_length.rate == pytest.approx(0.75, abs=0.01)  # the plain rate, barely shrunk by the penalty
+
+    single = length_controlled_win_rate([1.0], [7], resamples=50)
+    assert single.low == single.rate == single.high and 0.5 < single.rate < 1
+    for result in (ties, wins, losses, same_length, single):
+        assert all(math.isfinite(value) for value in result.model_dump().values())
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        length_controlled_win_rate([], [])
+    with pytest.raises(ValueError, match="one length"):
+        length_controlled_win_rate([1.0, 0.0], [3])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        length_controlled_win_rate([2.0], [3])
+    with pytest.raises(ValueError, match="resamples"):
+        length_controlled_win_rate([1.0], [3], resamples=0)
