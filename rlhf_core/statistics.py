@@ -138,13 +138,26 @@ def cohens_kappa(first: Sequence[Hashable], second: Sequence[Hashable]) -> float
     return (observed - expected) / (1 - expected)
 
 
-def average_ranks(values: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Ranks 1..N of `values` [N], tied values sharing the mean of the ranks they occupy."""
-    array = np.asarray(values, dtype=np.float64)
-    ranks = np.empty(array.size)
-    ranks[np.argsort(array, kind="stable")] = np.arange(1, array.size + 1)
-    _, groups = np.unique(array, return_inverse=True)
-    return (np.bincount(groups, weights=ranks) / np.bincount(groups))[groups]
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks of `values` along the last axis, tied values sharing the mean of their ranks.
+
+    Works on [N] and on [R, N] (each row ranked on its own): after sorting a row, a tie group spans
+    positions first..last, and each of its members gets rank (first + last) / 2 + 1.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    order = np.argsort(values, axis=-1, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=-1)
+    count = values.shape[-1]
+    positions = np.broadcast_to(np.arange(count), values.shape)
+    starts_group = np.ones(values.shape, dtype=bool)
+    starts_group[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    ends_group = np.ones(values.shape, dtype=bool)
+    ends_group[..., :-1] = starts_group[..., 1:]
+    first = np.maximum.accumulate(np.where(starts_group, positions, 0), axis=-1)
+    last = np.flip(np.minimum.accumulate(np.flip(np.where(ends_group, positions, count - 1), -1), axis=-1), -1)
+    ranks = np.empty(values.shape)
+    np.put_along_axis(ranks, order, (first + last) / 2 + 1, axis=-1)
+    return ranks
 
 
 def spearman(first: Sequence[float] | np.ndarray, second: Sequence[float] | np.ndarray) -> float | None:

@@ -10,13 +10,11 @@ import pytest
 
 from rlhf_core.reward.length_metrics import (
     RIDGE,
-    average_ranks,
     fit_logistic,
     length_skill,
     mann_whitney_auc,
-    spearman_correlation,
 )
-from rlhf_core.statistics import wilson_interval
+from rlhf_core.statistics import average_ranks, spearman, wilson_interval
 
 
 def random_pairs(seed: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -103,14 +101,14 @@ def test_spearman_matches_a_loop_and_scipy() -> None:
     rng = np.random.default_rng(2)
     scores = np.round(rng.normal(size=60), 1)
     lengths = rng.integers(1, 20, 60) + np.round(3 * scores)
-    assert spearman_correlation(scores, lengths) == pytest.approx(spearman_by_loop(scores.tolist(), lengths.tolist()))
+    assert spearman(scores, lengths) == pytest.approx(spearman_by_loop(scores.tolist(), lengths.tolist()))
     stats = pytest.importorskip("scipy.stats")
-    assert spearman_correlation(scores, lengths) == pytest.approx(stats.spearmanr(scores, lengths).statistic)
+    assert spearman(scores, lengths) == pytest.approx(stats.spearmanr(scores, lengths).statistic)
 
 
 def test_spearman_is_undefined_for_constant_or_single_values() -> None:
-    assert spearman_correlation(np.ones(5), np.arange(5)) is None
-    assert spearman_correlation(np.array([1.0]), np.array([3.0])) is None
+    assert spearman(np.ones(5), np.arange(5)) is None
+    assert spearman(np.array([1.0]), np.array([3.0])) is None
 
 
 def test_logistic_fit_matches_a_loop() -> None:

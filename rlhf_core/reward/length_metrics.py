@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
+from rlhf_core.statistics import average_ranks, spearman
 
 LENGTH_MATCH_RATIO = 0.2  # |len_c - len_r| <= 0.2 * max: evaluation's SIMILAR_LENGTH_RATIO (evaluation/report.py)
 AUC_GAIN_RESAMPLES = 1000  # each resample refits two small logistic regressions
@@ -45,29 +46,7 @@ RESAMPLE_CHUNK = 250  # resamples fitted at once, bounding memory on large pair 
 
 
 # --------------------------------------------------------------------------------------------------
-# ranks, AUC and Spearman
-
-
-def average_ranks(values: np.ndarray) -> np.ndarray:
-    """1-based ranks of `values` along the last axis, tied values sharing the mean of their ranks.
-
-    Works on [N] and on [R, N] (each row ranked on its own): after sorting a row, a tie group spans
-    positions first..last, and each of its members gets rank (first + last) / 2 + 1.
-    """
-    values = np.asarray(values, dtype=np.float64)
-    order = np.argsort(values, axis=-1, kind="stable")
-    ordered = np.take_along_axis(values, order, axis=-1)
-    count = values.shape[-1]
-    positions = np.broadcast_to(np.arange(count), values.shape)
-    starts_group = np.ones(values.shape, dtype=bool)
-    starts_group[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
-    ends_group = np.ones(values.shape, dtype=bool)
-    ends_group[..., :-1] = starts_group[..., 1:]
-    first = np.maximum.accumulate(np.where(starts_group, positions, 0), axis=-1)
-    last = np.flip(np.minimum.accumulate(np.flip(np.where(ends_group, positions, count - 1), -1), axis=-1), -1)
-    ranks = np.empty(values.shape)
-    np.put_along_axis(ranks, order, (first + last) / 2 + 1, axis=-1)
-    return ranks
+# AUC
 
 
 def mann_whitney_auc(positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
@@ -78,24 +57,6 @@ def mann_whitney_auc(positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
     n, m = positive.shape[-1], negative.shape[-1]
     ranks = average_ranks(np.concatenate([positive, negative], axis=-1))
     return (ranks[..., :n].sum(axis=-1) - n * (n + 1) / 2) / (n * m)
-
-
-def spearman_correlation(values: np.ndarray, other: np.ndarray) -> float | None:
-    """Spearman's rank correlation of two [N] arrays: the Pearson correlation of their average ranks.
-
-    None when it is undefined: fewer than two values, or either array constant.
-    """
-    values, other = np.asarray(values, dtype=np.float64), np.asarray(other, dtype=np.float64)
-    if values.shape != other.shape or values.ndim != 1:
-        raise ValueError(f"spearman_correlation needs two 1-d arrays of one length, got {values.shape}, {other.shape}")
-    if values.size < 2:
-        return None
-    ranks, other_ranks = average_ranks(values), average_ranks(other)
-    ranks, other_ranks = ranks - ranks.mean(), other_ranks - other_ranks.mean()
-    scale = np.sqrt((ranks * ranks).sum() * (other_ranks * other_ranks).sum())
-    if scale == 0:
-        return None
-    return float((ranks * other_ranks).sum() / scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,7 +259,7 @@ def length_skill(
         length_matched=group_accuracy(margins, matched),
         length_matched_pairs=int(matched.sum()),
         auc=auc_gain(margins, differences, resamples, seed),
-        reward_length_spearman=spearman_correlation(
+        reward_length_spearman=spearman(
             np.concatenate([chosen_scores, rejected_scores]), np.concatenate([chosen_tokens, rejected_tokens])
         ),
     )
