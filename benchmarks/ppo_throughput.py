@@ -59,7 +59,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from workload import SHARED_PAIRS, SYNTHETIC, benchmark_prompts, fingerprint
 
 from rlhf_core.config import Config, load_config
-from rlhf_core.models.base import DTYPES, load_base_model, load_base_tokenizer, smollm2_dir
+from rlhf_core.models.base import DTYPES, base_model_location, load_base_model, load_base_tokenizer
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.experience_maker import PPOModels
@@ -177,14 +177,12 @@ def build_models(config: Config, device: torch.device) -> tuple[PPOModels, PreTr
 
 def model_path(config: Config) -> str | None:
     """Where the base model's weights are read from (None: the tiny model is built from its seed)."""
-    if config.model.kind == "tiny":
-        return None
-    return config.model.path if config.model.kind == "pretrained" else str(smollm2_dir(config.model))
+    return None if config.model.kind == "tiny" else str(base_model_location(config.model))
 
 
 def tokenizer_path(config: Config) -> str:
     """Where the tokenizer is read from (the tiny model uses SmolLM2's)."""
-    return config.model.path if config.model.kind == "pretrained" else str(smollm2_dir(config.model))
+    return str(base_model_location(config.model))
 
 
 def benchmark_settings(

@@ -54,14 +54,13 @@ from tasks.ablation import (
     variant_files,
 )
 from tasks.ablation_base import AblationBase, BaseReference, resolve_base
-from tasks.caching import with_cache_dir
 from tasks.evaluation import JudgeSpec, judge_spec
 from tasks.lineage import code_tags, flow_run_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
 from tasks.preflight import check_services, stage_store_services, tracking_services
 from tasks.remote import RemoteStages
-from tasks.stages import StageContext, judge_reward_task
+from tasks.stages import StageContext, train_judge_reward
 from tasks.tracking import resolve_tracking_uri
 from tasks.transfer import join_uri
 
@@ -164,7 +163,7 @@ def resolve_base_task(reference: BaseReference, config: Config, tracking_uri: st
 def choose_judge(config: Config, base: AblationBase, context: StageContext) -> JudgeSpec:
     """The one judge of every variant's evaluation (step 4 of the module docstring)."""
     if config.evaluation.trains_judge_rm:
-        judge = base.judge or with_cache_dir(judge_reward_task, context.cache_dir)(config, base.data, context)
+        judge = base.judge or train_judge_reward(config, base.data, context)
         return judge_spec(config, judge)
     return judge_spec(config, base.reward)  # the LLM judge, or in_sample as asked (the report flags it)
 

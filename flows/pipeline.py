@@ -49,12 +49,12 @@ from tasks.registry import RegisteredVersion, lineage_output_tags
 from tasks.remote import RemoteStages, run_training_stage
 from tasks.stages import (
     StageContext,
-    judge_reward_task,
     ppo_task,
     prepare_data_task,
     register_task,
     reward_task,
     sft_task,
+    train_judge_reward,
 )
 
 CACHE_DIR_NAME = ".cache"
@@ -222,7 +222,7 @@ def run_stages(
         )
     if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
         started(Stage.JUDGE_REWARD)
-        outputs["judge-reward"] = with_cache_dir(judge_reward_task, cache_dir)(config, outputs["prepare-data"], context)
+        outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
     if Stage.PPO in selected:
         started(Stage.PPO)
         outputs["ppo"] = run_training_stage(

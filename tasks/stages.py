@@ -52,7 +52,7 @@ from tasks.artifacts import (
     publish_table,
     read_samples,
 )
-from tasks.caching import StageCachePolicy, stage_cache_key
+from tasks.caching import StageCachePolicy, stage_cache_key, with_cache_dir
 from tasks.concurrency import training_slot
 from tasks.data_source import DataSource
 from tasks.lineage import stage_lineage_tags
@@ -101,7 +101,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "sft": ("model", "sft", "distributed"),
     "reward": ("model", "reward", "distributed"),
     # The independent judge reward model reads the reward settings too; evaluation.judge_rm only decides
-    # whether it runs, so changing other evaluation settings does not retrain it.
+    # whether it runs, so changing other evaluation settings does not retrain it. Its task is given
+    # judge_config(config), whose `model` is evaluation.judge_base_model when that is set.
     "judge-reward": ("model", "reward", "distributed"),
     "ppo": ("model", "ppo", "distributed"),
     "evaluate": ("model", "sft", "reward", "evaluation"),  # sft, reward: perplexity and RM batch sizes
@@ -362,13 +363,20 @@ def reward_task(config: Config, data: StageOutput, sft_output: StageOutput, cont
 def judge_reward_task(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
     """The independent judge reward model, trained on the PPO-prompt split (rlhf_core.stages.judge_reward).
 
-    Its MLflow params are the settings it trains with: the `reward` section with `init_from: base`.
+    `config` is the judge's settings, `judge_reward.judge_config(<the run's config>)`: its `model` section
+    is the judge's base model and its `reward` section has `init_from: base`, so that they, and not the
+    policy's, make the stage's cache key and MLflow params.
     """
-    settings = judge_reward.judge_config(config)
     inputs = {"data": data}
-    with tracked_training_stage("judge-reward", settings, context, content_hashes(inputs), inputs=inputs) as run:
-        result = judge_reward.run_judge_rm(settings, data.out_dir, run.out_dir, logger=run.progress_logger())
+    with tracked_training_stage("judge-reward", config, context, content_hashes(inputs), inputs=inputs) as run:
+        result = judge_reward.run_judge_rm(config, data.out_dir, run.out_dir, logger=run.progress_logger())
         return run.finish(result.model_dir)
+
+
+def train_judge_reward(config: Config, data: StageOutput, context: StageContext) -> StageOutput:
+    """The independent judge reward model of a run with `config`: `judge_reward_task` on the judge's
+    settings, cached in `context.cache_dir`."""
+    return with_cache_dir(judge_reward_task, context.cache_dir)(judge_reward.judge_config(config), data, context)
 
 
 @task(

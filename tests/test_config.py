@@ -77,7 +77,7 @@ def test_out_of_range_names_key_and_bound() -> None:
 def test_bad_choice_lists_the_allowed_values() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(PARAMS, overrides=["model.kind=gpt"])
-    assert "model.kind" in str(err.value) and "'smollm2', 'tiny' or 'pretrained'" in str(err.value)
+    assert "model.kind" in str(err.value) and "'smollm2', 'gemma3', 'tiny' or 'pretrained'" in str(err.value)
 
 
 def test_cross_field_rule_is_reported() -> None:

@@ -5,6 +5,9 @@
   is a prompt the policy reward model (rm_train), SFT, validation or evaluation saw.
 - config: `independent` is the default (and every eval prompt is judged); a bad `evaluation.judge_rm` is
   an error naming the key and the allowed values.
+- `evaluation.judge_base_model` (issue 27): null keeps the policy's base model; set, the judge trains from
+  that model (here a tiny model of another shape), and it, not the policy's, makes the judge-reward
+  stage's cache key; a bad value or an in-sample judge with it is an error naming the key.
 - the pipeline, in this process against a real Prefect server and a SQLite MLflow store: with
   `independent` the judge-reward stage runs, the evaluation is judged by it, is not flagged in-sample
   and says what the judge was trained on, and registration registers the judge as its own model, with
@@ -24,11 +27,13 @@ from fixtures.tiny_ppo import tiny_config, write_stage_inputs
 from mlflow import MlflowClient
 
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError, ModelConfig, load_config
 from rlhf_core.data.prepare import load_split
 from rlhf_core.reward.training_data import read_training_data
-from rlhf_core.stages.judge_reward import run_judge_rm
+from rlhf_core.models.heads import RewardModel
+from rlhf_core.stages.judge_reward import judge_config, run_judge_rm
 from rlhf_core.stages.reward import run_train_rm
+from tasks.caching import stage_cache_key
 from tasks.lineage import DATA_VERSION_TAG
 from tasks.registry import (
     CONTENT_TAG,
@@ -38,6 +43,7 @@ from tasks.registry import (
     PIPELINE_RUN_TAG,
     STAGE_RUN_TAG,
 )
+from tasks.stages import STAGE_SECTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,6 +53,11 @@ INDEPENDENT = (
     "independent reward model (trained on the PPO-prompt split, validated on rm_val, initialised from the base model)"
 )
 PIPELINE_OVERRIDES = ["ppo.steps=1", "evaluation.max_prompts=4"]
+# A judge base model unlike the policy's tiny model (2 layers, 64 wide, seed 0).
+OTHER_JUDGE_MODEL = (
+    "evaluation.judge_base_model={kind: tiny, tiny: {num_layers: 3, hidden_size: 32, num_heads: 2, "
+    "num_kv_heads: 1, intermediate_size: 48, seed: 7}}"
+)
 
 
 def file_sha256(path: Path) -> str:
@@ -93,6 +104,65 @@ def test_judge_rm_defaults_to_independent_and_accepts_only_in_sample_or_independ
     with pytest.raises(ConfigError) as error:
         tiny_config("evaluation.judge_rm=held_out")
     assert "evaluation.judge_rm: Input should be 'in_sample' or 'independent' (got 'held_out')" in str(error.value)
+
+
+def test_the_judge_trains_from_evaluation_judge_base_model_when_set(tmp_path: Path) -> None:
+    inputs = write_stage_inputs(tmp_path, pairs=120)
+    config = tiny_config(OTHER_JUDGE_MODEL)
+    run_judge_rm(config, inputs.data_dir, tmp_path / "judge")
+
+    judge = RewardModel.from_pretrained(tmp_path / "judge" / "model")
+    shape = judge.backbone.config
+    assert (shape.num_hidden_layers, shape.hidden_size, shape.num_attention_heads) == (3, 32, 2)
+    assert (shape.num_key_value_heads, shape.intermediate_size) == (1, 48)
+    assert config.model.tiny.num_layers == 2 and config.model.tiny.hidden_size == 64  # the policy's, unlike it
+
+
+def test_judge_config_takes_the_judge_base_model_or_else_the_policys() -> None:
+    policy_only = tiny_config()
+    assert policy_only.evaluation.judge_base_model is None
+    assert judge_config(policy_only).model == policy_only.model
+    assert judge_config(policy_only).reward.init_from == "base"
+
+    other = tiny_config(OTHER_JUDGE_MODEL)
+    assert judge_config(other).model == other.evaluation.judge_base_model
+    assert judge_config(other).model.tiny.seed == 7 and other.model.tiny.seed == 0
+    assert judge_config(other).ppo == other.ppo and judge_config(other).evaluation == other.evaluation
+
+
+def test_the_judge_base_model_makes_the_judge_reward_cache_key() -> None:
+    def judge_key(config) -> str:
+        return stage_cache_key("judge-reward", judge_config(config), STAGE_SECTIONS["judge-reward"], {})
+
+    policy_only = tiny_config()
+    assert judge_key(tiny_config(OTHER_JUDGE_MODEL)) != judge_key(policy_only)
+    # The policy's own model written out as the judge's is the same judge.
+    same = tiny_config(f"evaluation.judge_base_model={json.dumps(policy_only.model.model_dump(mode='json'))}")
+    assert judge_key(same) == judge_key(policy_only)
+
+
+def test_judge_base_model_is_validated_with_the_key_named() -> None:
+    assert load_config(REPO / "params.yaml").evaluation.judge_base_model is None
+    gemma = tiny_config("evaluation.judge_base_model.kind=gemma3").evaluation.judge_base_model
+    assert gemma == ModelConfig(kind="gemma3")
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_base_model.kind=gpt")
+    assert "evaluation.judge_base_model.kind: Input should be 'smollm2', 'gemma3', 'tiny' or 'pretrained'" in str(
+        error.value
+    )
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_base_model.kind=pretrained")
+    assert "kind 'pretrained' needs model.path" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_base_model.size=270m")
+    allowed = "allowed keys here: cache_dir, dtype, kind, path, tiny"
+    assert f"evaluation.judge_base_model.size: unknown key; {allowed}" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_base_model.tiny.num_layers=true")
+    assert "evaluation.judge_base_model.tiny.num_layers: expected an integer, got the boolean true" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        tiny_config("evaluation.judge_base_model.kind=gemma3", "evaluation.judge_rm=in_sample")
+    assert "evaluation.judge_base_model is set, but evaluation.judge_rm is 'in_sample'" in str(error.value)
 
 
 def test_the_judge_refuses_a_multi_process_configuration(tmp_path: Path) -> None:

@@ -47,6 +47,15 @@ def test_end_of_turn_falls_back_to_eos_without_im_end() -> None:
     assert end_of_turn_id(plain) == 1
 
 
+def test_end_of_turn_is_gemmas_end_of_turn_not_its_eos() -> None:
+    vocabulary = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 4, "<end_of_turn>": 5, "hi": 6}
+    word_level = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    gemma_like = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="<eos>")
+    assert end_of_turn_token(gemma_like) == "<end_of_turn>"
+    assert end_of_turn_id(gemma_like) == 5
+
+
 def test_render_prompt_uses_template_with_default_system_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
     expected = (
         SMOLLM2_SYSTEM

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.models import smollm2
+from rlhf_core.models import gguf_cache, smollm2
 from rlhf_core.models.chat import encode_conversation, encode_prompt, end_of_turn_id, render_prompt
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 
@@ -69,9 +69,9 @@ def test_cached_copy_gives_the_gguf_logits(gguf_loaded, cached) -> None:
 
 def test_cache_is_plain_safetensors_with_a_marker(cache_dir: Path) -> None:
     names = {path.name for path in cache_dir.iterdir()}
-    assert "model.safetensors" in names and smollm2.MARKER_FILE in names
+    assert "model.safetensors" in names and gguf_cache.MARKER_FILE in names
     assert not any(name.endswith((".bin", ".pt", ".gguf")) for name in names)
-    assert json.loads((cache_dir / smollm2.MARKER_FILE).read_text())["source"] == smollm2.GGUF_FILE_NAME
+    assert json.loads((cache_dir / gguf_cache.MARKER_FILE).read_text())["source"] == smollm2.GGUF_FILE_NAME
     assert not (cache_dir / "config.json").read_text().count("quantization_config")
     assert [path.name for path in cache_dir.parent.iterdir()] == [cache_dir.name]  # no temp dir left behind
 
@@ -129,15 +129,15 @@ def test_ensure_converts_once_into_an_empty_directory(
 
 
 def test_cache_dir_follows_the_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(smollm2.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path))
     assert smollm2.default_cache_dir() == tmp_path / "models" / "smollm2-135m-instruct"
-    monkeypatch.delenv(smollm2.CACHE_ENV_VAR)
+    monkeypatch.delenv(gguf_cache.CACHE_ENV_VAR)
     assert smollm2.default_cache_dir() == Path.home() / ".cache/rlhf-pipeline/models/smollm2-135m-instruct"
 
 
 def test_a_foreign_directory_is_never_taken_for_a_cache(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(FileExistsError, match=smollm2.MARKER_FILE):
+    with pytest.raises(FileExistsError, match=gguf_cache.MARKER_FILE):
         smollm2.ensure_smollm2_cache(tmp_path)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import PreTrainedTokenizerBase
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardConfig, TinyModelConfig
 from rlhf_core.data.records import PreferencePair
@@ -135,6 +135,28 @@ def test_frozen_layer_cache_gives_the_full_forwards_hidden_states(
     assert torch.allclose(cached[real], full[real], atol=1e-5)
     assert torch.equal(cached, again)
     assert len(model.backbone.layers) == 3 and not isinstance(model.backbone.norm, torch.nn.Identity)
+
+
+def test_frozen_layer_cache_keeps_each_gemma3_blocks_attention_type(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Gemma 3 looks each block's type (sliding-window or full attention, each with its own rotary
+    embedding) up by its index; run from block 2, the full-attention block 3 must stay full."""
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = Gemma3ForCausalLM(config).eval()
+    model = RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), seed=0).eval()
+    batch = collate_pairs(encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id)
+    real = batch.chosen.attention_mask.bool()
+    with torch.no_grad():
+        full = final_hidden_states(model.backbone, batch.chosen.input_ids, batch.chosen.attention_mask)
+        keys = [(i, "chosen") for i in range(4)]
+        cached = FrozenLowerCache(num_lower=2).hidden_states(model.backbone, keys, batch.chosen)
+    assert torch.allclose(cached[real], full[real], atol=1e-5)
+    assert model.backbone.config.layer_types == config.layer_types and len(model.backbone.layers) == 4
 
 
 def test_cached_sequences_do_not_depend_on_their_batch_companions(tokenizer: PreTrainedTokenizerBase) -> None:

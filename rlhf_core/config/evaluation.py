@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core.config.base import Section
 from rlhf_core.config.generation import GenerationConfig
+from rlhf_core.config.model import ModelConfig
 
 
 class EvaluationConfig(Section):
@@ -35,9 +36,23 @@ class EvaluationConfig(Section):
         description="RM judge: independent trains a second reward model on the PPO-prompt split to judge "
         "with; in_sample judges with the reward model PPO optimised against (biased; the report flags it).",
     )
+    judge_base_model: ModelConfig | None = Field(
+        None,
+        description="RM judge, independent: the base model the judge reward model starts from, a whole `model` "
+        "section (e.g. {kind: gemma3}, another model family); null: the policy's base model `model`.",
+    )
     llm_model: str = Field("gpt-4o", description="LLM judge: the OpenAI-compatible model name.")
     llm_concurrency: int = Field(4, ge=1, description="LLM judge: requests in flight.")
     llm_max_retries: int = Field(3, ge=0, description="LLM judge: retries of a failed request.")
+
+    @model_validator(mode="after")
+    def _judge_base_model_needs_an_independent_judge(self) -> EvaluationConfig:
+        if self.judge_base_model is not None and self.judge_rm == "in_sample":
+            raise ValueError(
+                "evaluation.judge_base_model is set, but evaluation.judge_rm is 'in_sample', which trains no judge "
+                "reward model; set evaluation.judge_rm: independent or evaluation.judge_base_model: null"
+            )
+        return self
 
     @property
     def trains_judge_rm(self) -> bool:

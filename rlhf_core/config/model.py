@@ -23,10 +23,10 @@ class TinyModelConfig(Section):
 class ModelConfig(Section):
     """The base chat model every stage starts from."""
 
-    kind: Literal["smollm2", "tiny", "pretrained"] = Field(
+    kind: Literal["smollm2", "gemma3", "tiny", "pretrained"] = Field(
         "smollm2",
-        description="smollm2: the packaged SmolLM2-135M-Instruct GGUF; tiny: random (tests); "
-        "pretrained: `path` is a local directory or a Hub id.",
+        description="smollm2: the packaged SmolLM2-135M-Instruct GGUF; gemma3: the packaged Gemma 3 270M GGUF "
+        "(optional extra `gemma`); tiny: random (tests); pretrained: `path` is a local directory or a Hub id.",
     )
     path: str | None = Field(None, description="Directory or Hub id, with kind=pretrained.")
     cache_dir: str | None = Field(None, description="Conversion cache (default ~/.cache/rlhf-pipeline).")

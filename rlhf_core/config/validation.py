@@ -23,14 +23,22 @@ def _describe_error(error: dict[str, Any], model: type[BaseModel]) -> str:
     return f"{location}: {message} (got {error['input']!r})"
 
 
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: `ModelConfig` for `ModelConfig` or `ModelConfig | None`; None for a scalar."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        sections = [_section_type(argument) for argument in get_args(annotation)]
+        return next((section for section in sections if section is not None), None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
 def _fields_at(model: type[BaseModel], location: tuple[Any, ...]) -> list[str]:
     """The field names of the (nested) section at `location`."""
     for part in location:
         field = model.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        section = _section_type(field.annotation) if field else None
+        if section is None:
             return []
-        model = annotation
+        model = section
     return list(model.model_fields)
 
 
@@ -59,8 +67,9 @@ def _bool_number_mixups(raw: Any, model: type[BaseModel], location: tuple[str, .
         if field is None:
             continue  # pydantic reports unknown keys
         path = (*location, str(key))
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            found |= _bool_number_mixups(value, field.annotation, path)
+        section = _section_type(field.annotation)
+        if section is not None:
+            found |= _bool_number_mixups(value, section, path)
             continue
         admitted = _scalar_types(field.annotation)
         numbers = admitted & {int, float}

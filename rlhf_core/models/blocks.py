@@ -24,9 +24,16 @@ from transformers import PreTrainedModel
 
 @contextmanager
 def only_blocks(backbone: nn.Module, start: int, stop: int | None, final_norm: bool) -> Iterator[None]:
-    """Within the block, `backbone` runs only `layers[start:stop]`, and no final norm unless `final_norm`."""
+    """Within the block, `backbone` runs only `layers[start:stop]`, and no final norm unless `final_norm`.
+
+    A backbone whose config lists `layer_types` (Gemma 3: sliding-window or full attention, each with its
+    own rotary embedding) looks a block's type up by its index in `layers`, so that list is sliced alike.
+    """
     layers, norm = backbone.layers, backbone.norm
+    layer_types = getattr(backbone.config, "layer_types", None)
     backbone.layers = nn.ModuleList(list(layers)[start:stop])
+    if layer_types is not None:
+        backbone.config.layer_types = layer_types[start:stop]
     if not final_norm:
         backbone.norm = nn.Identity()
     try:
@@ -34,6 +41,8 @@ def only_blocks(backbone: nn.Module, start: int, stop: int | None, final_norm: b
     finally:
         backbone.layers = layers
         backbone.norm = norm
+        if layer_types is not None:
+            backbone.config.layer_types = layer_types
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:

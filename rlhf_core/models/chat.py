@@ -8,8 +8,9 @@ Conventions:
   reply (the plain text of the next assistant turn).
 - The tokenizer's own chat template renders the prompt, ending with the generation prompt (for SmolLM2:
   "<|im_start|>assistant\\n"), ready for the reply.
-- A reply is terminated by the end-of-turn token (`<|im_end|>` for SmolLM2; the eos token for models
-  without one) and nothing after it: generation stops at that token, so training sequences end there too.
+- A reply is terminated by the end-of-turn token (`<|im_end|>` for SmolLM2, `<end_of_turn>` for Gemma; the
+  eos token for models without one) and nothing after it: generation stops at that token, so training
+  sequences end there too.
 - SmolLM2's template inserts a default system prompt ("You are a helpful AI assistant named SmolLM,
   trained by Hugging Face") when the dialogue has no system message. We KEEP it: the instruct model was
   fine-tuned with it, and since every stage renders through this module, policy, reference, reward model
@@ -30,7 +31,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Messages = Sequence[Mapping[str, str]]
 
-END_OF_TURN_TOKEN = "<|im_end|>"
+# The tokens chat templates close a turn with: ChatML's (SmolLM2) and Gemma's.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>")
 
 
 @dataclass(frozen=True)
@@ -42,17 +44,16 @@ class EncodedConversation:
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
-    """The token that closes an assistant turn: `<|im_end|>` when the vocabulary has it, else eos."""
-    token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-    # Fast tokenizers map an unknown token to the unk id instead of failing.
-    is_unknown = token_id is None or (
-        token_id == tokenizer.unk_token_id and tokenizer.unk_token != END_OF_TURN_TOKEN
-    )
-    if not is_unknown:
-        return END_OF_TURN_TOKEN
+    """The token that closes an assistant turn: the first of `END_OF_TURN_TOKENS` in the vocabulary, else eos."""
+    for token in END_OF_TURN_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        # Fast tokenizers map an unknown token to the unk id instead of failing.
+        is_unknown = token_id is None or (token_id == tokenizer.unk_token_id and tokenizer.unk_token != token)
+        if not is_unknown:
+            return token
     if tokenizer.eos_token is None:
         raise ValueError(
-            f"tokenizer {tokenizer.name_or_path!r} has neither {END_OF_TURN_TOKEN} nor an eos token to end a turn"
+            f"tokenizer {tokenizer.name_or_path!r} has none of {END_OF_TURN_TOKENS} nor an eos token to end a turn"
         )
     return tokenizer.eos_token
 

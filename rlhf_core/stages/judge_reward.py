@@ -8,9 +8,11 @@ no training pair with it:
 - trained on ppo_pairs.parquet, the preference pairs of the PPO-prompt split, which the prompt-hash
   split keeps disjoint from rm_train (the policy reward model's pairs), rm_val and eval;
 - selected on rm_val, like the policy reward model, and never on eval, the prompts it will judge;
-- initialised from the base model (`model`), not from the SFT model: SFT trained on the chosen replies
-  of the rm_train prompts, so an SFT-initialised judge would start from weights fitted to the policy
-  reward model's training data;
+- initialised from a base model, not from the SFT model: SFT trained on the chosen replies of the
+  rm_train prompts, so an SFT-initialised judge would start from weights fitted to the policy reward
+  model's training data. That base model is `evaluation.judge_base_model` when set (another model
+  family, e.g. the packaged Gemma 3, with its own tokenizer: the judge reads replies as text), else the
+  policy's base model `model`;
 - with every other `reward` setting (lr, steps, batches, LoRA, ...) as the policy reward model has.
 
 It is `run_train_rm` (stages/reward.py) with those two differences, in one process only: the deepspeed
@@ -31,8 +33,11 @@ JUDGE_TRAIN_SPLIT: TrainSplit = "ppo_pairs"
 
 
 def judge_config(config: Config) -> Config:
-    """`config` with the reward model initialised from the base model (see the module docstring)."""
-    return config.model_copy(update={"reward": config.reward.model_copy(update={"init_from": "base"})})
+    """`config` with the reward model initialised from the judge's base model, which becomes its `model`
+    section (see the module docstring), so every setting and cache key of the stage names what it trains."""
+    judge_model = config.evaluation.judge_base_model or config.model
+    reward = config.reward.model_copy(update={"init_from": "base"})
+    return config.model_copy(update={"model": judge_model, "reward": reward})
 
 
 def run_judge_rm(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None = None) -> StageResult:
