@@ -62,6 +62,7 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics == result.metrics and metrics["steps_completed"] == total and metrics["guard_stopped"] == 0
+    assert metrics["guard_enabled"] == 1.0  # the default guard has bounds: its "not stopped" means something
     assert metrics["val/reward_initial"] == rows[0]["val/reward"]
     assert [path.name for path in complete_checkpoints(out / "checkpoints")] == [f"step-{total:08d}"]
     model, tokenizer = load_causal_lm(out / "model")
