@@ -2,6 +2,7 @@
 missing, a run without the guard shown as such; the choice of the judge from the config and the
 challenger's tags, and the rlhf-promote form's rules (flows/promote.py): no servers, no models."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from flows.promote import PromoteSettings
 from rlhf_core.config import PromotionConfig
+from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from tasks.promotion import (
     GateCheck,
     JudgeChoice,
@@ -279,3 +281,21 @@ def test_candidates_from_a_local_sqlite_store(tmp_path: Path) -> None:
     candidates = find_candidates_task.fn(config, uri)
     assert (candidates.challenger, candidates.champion) == ("2", "1")
     assert registered_version(None) is None
+
+
+@pytest.mark.parametrize(
+    ("figures", "line"),
+    [
+        ({"guard_enabled": 1.0, "guard_stopped": 0.0}, "- collapse guard: did not fire"),
+        ({"guard_enabled": 1.0, "guard_stopped": 1.0, "guard_stop_step": 7.0}, "stopped the run at iteration 7"),
+        ({"guard_enabled": 0.0, "guard_stopped": 0.0}, "- collapse guard: was disabled (every ppo.guard bound null)"),
+    ],
+)
+def test_the_evaluation_report_says_when_the_guard_was_off(tmp_path: Path, figures: dict, line: str) -> None:
+    gain = {"prompts": 4, "mean": 0.1, "low": -0.1, "high": 0.3}
+    selection = {"chosen_step": 3, "reason": "latest", "gain_over_initial": gain}
+    (tmp_path / "selection.json").write_text(json.dumps(selection))
+    metrics = {"steps_completed": 3.0, "val/kl_best": 0.02, "critic_pretrain_steps": 1.0, **figures}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    evidence = ppo_evidence_markdown(tmp_path)
+    assert evidence is not None and line in evidence
