@@ -13,15 +13,13 @@ trained from (named by its `lineage.sft.*` tags), judged by (`promotion_judge`):
   as in-sample in the report, the decision and its tags (the policy was trained to please that judge);
 - a reward-model directory or `models:/` URI, as given.
 
-Then it applies the gate of `promotion` in params.yaml:
-
-- `win_minus_loss_low`: the lower end of the 95% paired bootstrap interval of win rate minus lose rate
-  must exceed `min_win_minus_loss_low`: the challenger wins more often than it loses, beyond chance;
-- `kl_to_reference`: the policy's per-token KL to its reference on held-out prompts (`val/kl_best` of
-  its PPO run, the figure the best policy was chosen under) must be at most `max_kl`: it did not win by
-  drifting far from the SFT model (paper 5.2);
-- `no_collapse`: with `require_no_collapse`, its PPO run was not stopped by the collapse guard
-  (`guard_stopped`).
+Then it applies the gate of `promotion` in params.yaml (tasks/promotion_gate.py), built so that a policy
+that only learned to answer shorter cannot pass it: the length-controlled win rate's 95% lower bound
+above even (`lc_win_rate_low`), win minus loss beyond chance (`win_minus_loss_low`), the evaluation's
+length ratio within its band (`length_ratio`), the alignment tax within its bound
+(`alignment_tax_relative`), the PPO run's KL to its reference within its bound (`kl_to_reference`), and
+its collapse guard on and not fired (`no_collapse`; a run without the guard is shown as "guard
+disabled"). A missing figure fails its check, saying so.
 
 A pass moves `champion` to the challenger and tags that version with the decision and its evidence
 (`promotion.*`). A fail leaves the registry as it was and says why. An override promotes whatever the
@@ -32,7 +30,6 @@ rollbacks walk back through the history.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +53,7 @@ from tasks.evaluation import (
     resolve_model_output,
 )
 from tasks.outputs import StageOutput
+from tasks.promotion_gate import GateCheck, gate_checks
 from tasks.registry import (
     CHALLENGER_ALIAS,
     JUDGE_MODEL_TAG,
@@ -106,51 +104,6 @@ class JudgeChoice(BaseModel):
             f"{IN_SAMPLE_JUDGE})",
             "configured": f"reward model {self.reference} (promotion.judge_reward_model)",
         }[self.source]
-
-
-class GateCheck(BaseModel):
-    """One condition of the gate: the figure, the bound it is held to, and whether it holds."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    value: float | None  # None: the figure is missing, which fails the check
-    bound: str
-    passed: bool
-
-    def describe(self) -> str:
-        """e.g. `win_minus_loss_low = 0.125 (> 0): pass`."""
-        value = "missing" if self.value is None else f"{self.value:.6g}"
-        return f"{self.name} = {value} ({self.bound}): {'pass' if self.passed else 'FAIL'}"
-
-
-def gate_checks(
-    settings: PromotionConfig, evaluation: Mapping[str, float], training: Mapping[str, float]
-) -> list[GateCheck]:
-    """The gate's checks on the evaluation figures (metrics.json of the evaluation) and the PPO run's."""
-    low = evaluation.get("win_minus_loss_low")
-    checks = [
-        GateCheck(
-            name="win_minus_loss_low",
-            value=low,
-            bound=f"> {settings.min_win_minus_loss_low:g}",
-            passed=low is not None and low > settings.min_win_minus_loss_low,
-        )
-    ]
-    if settings.max_kl is not None:
-        kl = training.get("val/kl_best")
-        checks.append(
-            GateCheck(
-                name="kl_to_reference",
-                value=kl,
-                bound=f"<= {settings.max_kl:g}",
-                passed=kl is not None and kl <= settings.max_kl,
-            )
-        )
-    if settings.require_no_collapse:
-        stopped = training.get("guard_stopped")
-        checks.append(GateCheck(name="no_collapse", value=stopped, bound="guard_stopped == 0", passed=stopped == 0.0))
-    return checks
 
 
 class Candidates(BaseModel):
@@ -214,8 +167,7 @@ class PromotionResult(BaseModel):
         if self.checks:
             lines += ["", "| check | value | bound | result |", "|---|---|---|---|"]
             lines += [
-                f"| {check.name} | {'missing' if check.value is None else f'{check.value:.6g}'} | {check.bound} | "
-                f"{'pass' if check.passed else 'FAIL'} |"
+                f"| {check.name} | {check.shown_value()} | {check.bound} | {'pass' if check.passed else 'FAIL'} |"
                 for check in self.checks
             ]
         return "\n".join(lines) + "\n"

@@ -69,7 +69,10 @@ def test_the_unguarded_grid_raises_the_rate_and_switches_off_only_the_guard() ->
     for variant in plan.variants:
         ppo = variant.config.ppo
         assert ppo.policy_lr == 5e-5
-        assert ppo.guard.model_dump() == {"max_kl": None, "max_length_drift": None, "max_perplexity_drop": None}
+        assert ppo.guard.model_dump() == {
+            "max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None
+        }  # fmt: skip
+        assert not ppo.guard.enabled
         assert differences(variant, variant.spec.preset) == {}  # the Figure 5 switches are the preset's
 
 

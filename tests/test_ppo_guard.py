@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.config import CollapseGuardConfig
+from pydantic import ValidationError
+
+from rlhf_core.config import CollapseGuardConfig, PromotionConfig
 from rlhf_core.ppo.guard import (
     CollapseError,
     CollapseGuard,
     check_finite,
     check_kl,
-    check_length_drift,
+    check_length_ratio,
     check_perplexity_drop,
 )
 
@@ -28,15 +30,51 @@ def test_kl_bound() -> None:
         check_kl(0.51, 0.5, step=7)
 
 
-@pytest.mark.parametrize("length", [40.1, 9.9])
-def test_length_drift_bound_both_ways(length: float) -> None:
-    check_length_drift(40.0, 20.0, 2.0, step=1)
-    check_length_drift(10.0, 20.0, 2.0, step=1)
+@pytest.mark.parametrize(("length", "bound"), [(30.1, "max_length_ratio"), (13.3, "min_length_ratio")])
+def test_length_ratio_band_both_ways(length: float, bound: str) -> None:
+    check_length_ratio(30.0, 20.0, 0.67, 1.5, step=1)  # the ends of the band are within it
+    check_length_ratio(13.4, 20.0, 0.67, 1.5, step=1)
+    with pytest.raises(CollapseError, match=rf"step 4: mean response length .* times .* \[bound: {bound}\]") as error:
+        check_length_ratio(length, 20.0, 0.67, 1.5, step=4)
+    assert error.value.bound == bound and error.value.step == 4
+
+
+def test_length_ratio_message_and_open_sides() -> None:
     with pytest.raises(
-        CollapseError, match=r"step 4: mean response length .* \[bound: max_length_drift\]"
-    ) as error:
-        check_length_drift(length, 20.0, 2.0, step=4)
-    assert error.value.bound == "max_length_drift" and error.value.step == 4
+        CollapseError,
+        match=r"step 29: mean response length 16.8 is 0.404 times the initial policy's 41.6, below min_length_ratio "
+        r"0.67 \[bound: min_length_ratio\]",
+    ):
+        check_length_ratio(16.8, 41.6, 0.67, 1.5, step=29)  # the default run, stopped at step 29
+    check_length_ratio(1.0, 41.6, None, 1.5, step=1)  # no lower bound: shortening is not checked
+    check_length_ratio(400.0, 41.6, 0.67, None, step=1)  # no upper bound
+
+
+def test_the_guard_s_length_band_is_the_promotion_gate_s() -> None:
+    guard, gate = CollapseGuardConfig(), PromotionConfig()
+    assert (guard.min_length_ratio, guard.max_length_ratio) == (gate.min_length_ratio, gate.max_length_ratio)
+    assert (guard.min_length_ratio, guard.max_length_ratio) == (0.67, 1.5)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"min_length_ratio": 1.0, "max_length_ratio": 1.0}, "min_length_ratio 1 must be < max_length_ratio 1"),
+        ({"min_length_ratio": 1.2}, "min_length_ratio"),
+        ({"max_length_ratio": 0.9}, "max_length_ratio"),
+        ({"min_length_ratio": 0.0}, "min_length_ratio"),
+    ],
+)
+def test_a_length_band_that_excludes_the_initial_length_is_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        CollapseGuardConfig(**settings)
+
+
+def test_the_guard_is_enabled_while_any_bound_is_set() -> None:
+    off = {"max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None}
+    assert CollapseGuardConfig().enabled and not CollapseGuardConfig(**off).enabled
+    for bound, value in CollapseGuardConfig().model_dump().items():
+        assert CollapseGuardConfig(**{**off, bound: value}).enabled, bound
 
 
 def test_perplexity_drop_bound() -> None:
@@ -57,7 +95,8 @@ def test_non_finite_values_stop(value: float) -> None:
 
 
 def test_guard_measures_drift_from_the_initial_policy_s_rollouts() -> None:
-    guard = CollapseGuard(CollapseGuardConfig(max_kl=0.5, max_length_drift=1.5, max_perplexity_drop=0.2))
+    bounds = CollapseGuardConfig(max_kl=0.5, min_length_ratio=0.67, max_length_ratio=1.5, max_perplexity_drop=0.2)
+    guard = CollapseGuard(bounds)
     guard.check(monitors(length=18.0, perplexity=9.0), step=1, initial_policy=True)
     guard.check(monitors(length=22.0, perplexity=11.0), step=2, initial_policy=True)
     assert (guard.baseline_rollouts, guard.start_length, guard.start_perplexity) == (2, 20.0, 10.0)
@@ -66,8 +105,10 @@ def test_guard_measures_drift_from_the_initial_policy_s_rollouts() -> None:
         20.0,
         10.0,
     )  # a trained policy's rollout is no baseline
-    with pytest.raises(CollapseError, match="step 4.*max_length_drift"):
+    with pytest.raises(CollapseError, match="step 4.*max_length_ratio"):
         guard.check(monitors(length=31.0), step=4, initial_policy=False)
+    with pytest.raises(CollapseError, match="step 4.*min_length_ratio"):
+        guard.check(monitors(length=13.0), step=4, initial_policy=False)
     with pytest.raises(CollapseError, match="step 4.*max_perplexity_drop"):
         guard.check(monitors(perplexity=7.9), step=4, initial_policy=False)
     with pytest.raises(CollapseError, match="step 4.*max_kl"):
@@ -82,12 +123,12 @@ def test_guard_needs_a_baseline_first() -> None:
 
 
 def test_guard_baseline_survives_a_resume() -> None:
-    bounds = CollapseGuardConfig(max_kl=None, max_length_drift=1.5, max_perplexity_drop=None)
+    bounds = CollapseGuardConfig(max_kl=None, min_length_ratio=None, max_length_ratio=1.5, max_perplexity_drop=None)
     guard = CollapseGuard(bounds)
     guard.check(monitors(length=20.0), step=1, initial_policy=True)
     resumed = CollapseGuard(bounds)
     resumed.load_state_dict(guard.state_dict())
-    with pytest.raises(CollapseError, match="max_length_drift"):
+    with pytest.raises(CollapseError, match="max_length_ratio"):
         resumed.check(monitors(length=31.0), step=5, initial_policy=False)  # measured against 20
 
 

@@ -62,6 +62,7 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics == result.metrics and metrics["steps_completed"] == total and metrics["guard_stopped"] == 0
+    assert metrics["guard_enabled"] == 1.0  # the default guard has bounds: its "not stopped" means something
     assert metrics["val/reward_initial"] == rows[0]["val/reward"]
     # The reward's rank correlation with length on the first rollout (the SFT policy's replies), when defined.
     assert metrics.get("reward_length_spearman_sft") == rows[1].get("reward/length_spearman")

@@ -41,6 +41,7 @@ PROMPTS = [[{"role": "user", "content": f"List some fruit, please ({i})."}] for 
 EVAL_PROMPTS = [[{"role": "user", "content": f"Which fruit do you like? ({i})"}] for i in range(32)]
 SEEDS = (0, 1, 2)
 KL_BOUND = 0.5
+NO_BOUNDS = {"max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None}
 
 
 class TokenRuleScorer:
@@ -154,7 +155,7 @@ def test_ppo_max_raises_the_reward_beyond_seed_noise_within_the_kl_bound(
             sft_corpus,
             tmp_path / f"seed-{seed}",
             seed,
-            guard={"max_kl": KL_BOUND, "max_length_drift": None, "max_perplexity_drop": None},
+            guard={**NO_BOUNDS, "max_kl": KL_BOUND},
         )
         assert result.stop is None, result.stop
         assert max(row["kl/token_k3"] for row in history if "kl/token_k3" in row) < KL_BOUND
@@ -204,14 +205,10 @@ def reference_selection(result: FitResult, max_kl: float | None) -> int:
 @pytest.mark.parametrize(
     ("bound", "guard", "count"),
     [
-        ("max_kl", {"max_kl": 0.05, "max_length_drift": None, "max_perplexity_drop": None}, False),
+        ("max_kl", {**NO_BOUNDS, "max_kl": 0.05}, False),
         # paying per rewarded word makes the policy talk longer
-        ("max_length_drift", {"max_kl": None, "max_length_drift": 1.4, "max_perplexity_drop": None}, True),
-        (
-            "max_perplexity_drop",
-            {"max_kl": None, "max_length_drift": None, "max_perplexity_drop": 0.15},
-            False,
-        ),
+        ("max_length_ratio", {**NO_BOUNDS, "max_length_ratio": 1.4}, True),
+        ("max_perplexity_drop", {**NO_BOUNDS, "max_perplexity_drop": 0.15}, False),
     ],
 )
 def test_guard_stops_the_run_and_the_best_checkpoint_is_handed_on(

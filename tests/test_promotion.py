@@ -16,7 +16,9 @@ pipeline's register step sets them), and no step configures a judge unless it sa
 
 The policies are copies of the tiny SFT model, told apart by a marker file, so both replies of every pair
 are the same and every verdict is a tie: win minus loss is exactly 0 with a [0, 0] interval, which passes
-`promotion.min_win_minus_loss_low = -0.5`. What fails version 2 is the KL of its PPO run alone.
+`promotion.min_win_minus_loss_low = -0.5`, and the length-controlled win rate is exactly 0.5, which passes
+`promotion.min_lc_win_rate_low = 0.4`; the length ratio is 1 and the alignment tax 0. What fails version 2
+is the KL of its PPO run alone.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: 
     """An MLflow run standing for a PPO stage run: the final figures the gate reads."""
     run_id = client.create_run(experiment_id, run_name="ppo").info.run_id
     client.log_metric(run_id, "final.val/kl_best", kl, step=0)
+    client.log_metric(run_id, "final.guard_enabled", 1.0, step=0)
     client.log_metric(run_id, "final.guard_stopped", guard_stopped, step=0)
     client.set_terminated(run_id)
     return run_id
@@ -98,6 +101,7 @@ def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, ob
             f"tracking.experiment={EXPERIMENT}",
             "evaluation.max_prompts=6",
             "promotion.min_win_minus_loss_low=-0.5",
+            "promotion.min_lc_win_rate_low=0.4",
             *overrides,
         ],
         "params_file": str(ROOT / "params.yaml"),
@@ -212,7 +216,10 @@ def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_wit
     )
     assert first.baseline == f"SFT model of version 1 ({scenario.sft_dir})"
     assert {check.name: check.passed for check in first.checks} == {
+        "lc_win_rate_low": True,
         "win_minus_loss_low": True,
+        "length_ratio": True,
+        "alignment_tax_relative": True,
         "kl_to_reference": True,
         "no_collapse": True,
     }
@@ -222,6 +229,8 @@ def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_wit
     assert tags["promotion.gate"] == "passed"
     assert tags["promotion.check.kl_to_reference"] == "kl_to_reference = 0.05 (<= 0.3): pass"
     assert tags["promotion.check.win_minus_loss_low"] == "win_minus_loss_low = 0 (> -0.5): pass"
+    assert tags["promotion.check.length_ratio"] == "length_ratio = 1 (in [0.67, 1.5]): pass"
+    assert tags["promotion.check.no_collapse"] == "no_collapse = 0 (guard_enabled == 1 and guard_stopped == 0): pass"
     evaluation = scenario.client.get_run(tags["promotion.evaluation_run_id"])
     assert evaluation.data.metrics["final.tie_rate"] == 1.0  # the same weights: every pair a tie
     assert evaluation.data.metrics["final.score_diff_mean"] == 0.0  # identical replies, identical scores

@@ -1,6 +1,8 @@
-"""The promotion gate (tasks/promotion.py) on hand-made figures, the choice of the judge from the config and the
+"""The promotion gate (tasks/promotion_gate.py) on hand-made figures: each check passing, failing alone and
+missing, a run without the guard shown as such; the choice of the judge from the config and the
 challenger's tags, and the rlhf-promote form's rules (flows/promote.py): no servers, no models."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from pydantic import ValidationError
 
 from flows.promote import PromoteSettings
 from rlhf_core.config import PromotionConfig
+from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from tasks.promotion import (
     GateCheck,
     JudgeChoice,
@@ -24,29 +27,65 @@ from tasks.promotion import (
 )
 from tasks.registry import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
 
-GOOD_EVALUATION = {"win_minus_loss": 0.3, "win_minus_loss_low": 0.05, "win_minus_loss_high": 0.55}
-GOOD_TRAINING = {"val/kl_best": 0.12, "guard_stopped": 0.0}
+
+def drop(figures: dict[str, float], name: str) -> dict[str, float]:
+    """`figures` without `name` (an evaluation or PPO run from before that figure existed)."""
+    return {key: value for key, value in figures.items() if key != name}
+
+
+GOOD_EVALUATION = {
+    "win_minus_loss": 0.3,
+    "win_minus_loss_low": 0.05,
+    "win_minus_loss_high": 0.55,
+    "lc_win_rate": 0.62,
+    "lc_win_rate_low": 0.53,
+    "lc_win_rate_high": 0.7,
+    "length_ratio": 0.92,
+    "alignment_tax_relative": 0.01,
+}
+GOOD_TRAINING = {"val/kl_best": 0.12, "guard_stopped": 0.0, "guard_enabled": 1.0}
+EVERY_CHECK = [
+    "lc_win_rate_low",
+    "win_minus_loss_low",
+    "length_ratio",
+    "alignment_tax_relative",
+    "kl_to_reference",
+    "no_collapse",
+]
 
 
 def verdicts(checks) -> dict[str, bool]:
     return {check.name: check.passed for check in checks}
 
 
-def test_a_challenger_that_wins_beyond_chance_close_to_its_reference_and_stable_passes() -> None:
+def by_name(checks) -> dict[str, GateCheck]:
+    return {check.name: check for check in checks}
+
+
+def test_a_challenger_that_wins_beyond_length_close_to_its_reference_and_stable_passes() -> None:
     checks = gate_checks(PromotionConfig(), GOOD_EVALUATION, GOOD_TRAINING)
-    assert verdicts(checks) == {"win_minus_loss_low": True, "kl_to_reference": True, "no_collapse": True}
-    assert checks[0].describe() == "win_minus_loss_low = 0.05 (> 0): pass"
+    assert verdicts(checks) == dict.fromkeys(EVERY_CHECK, True)
+    assert [check.describe() for check in checks] == [
+        "lc_win_rate_low = 0.53 (> 0.5): pass",
+        "win_minus_loss_low = 0.05 (> 0): pass",
+        "length_ratio = 0.92 (in [0.67, 1.5]): pass",
+        "alignment_tax_relative = 0.01 (<= 0.05): pass",
+        "kl_to_reference = 0.12 (<= 0.3): pass",
+        "no_collapse = 0 (guard_enabled == 1 and guard_stopped == 0): pass",
+    ]
 
 
 @pytest.mark.parametrize(
     ("evaluation", "training", "failing"),
     [
+        ({**GOOD_EVALUATION, "lc_win_rate_low": 0.5}, GOOD_TRAINING, "lc_win_rate_low"),  # even is not above even
         ({**GOOD_EVALUATION, "win_minus_loss_low": 0.0}, GOOD_TRAINING, "win_minus_loss_low"),  # not above: fails
-        ({}, GOOD_TRAINING, "win_minus_loss_low"),  # no valid pair: no interval
+        ({**GOOD_EVALUATION, "length_ratio": 0.35}, GOOD_TRAINING, "length_ratio"),  # the issue's 22 vs 62 tokens
+        ({**GOOD_EVALUATION, "length_ratio": 1.51}, GOOD_TRAINING, "length_ratio"),
+        ({**GOOD_EVALUATION, "alignment_tax_relative": 0.051}, GOOD_TRAINING, "alignment_tax_relative"),
         (GOOD_EVALUATION, {**GOOD_TRAINING, "val/kl_best": 0.31}, "kl_to_reference"),
-        (GOOD_EVALUATION, {"guard_stopped": 0.0}, "kl_to_reference"),  # a missing figure fails
         (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_stopped": 1.0}, "no_collapse"),
-        (GOOD_EVALUATION, {"val/kl_best": 0.1}, "no_collapse"),
+        (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_enabled": 0.0}, "no_collapse"),
     ],
 )
 def test_each_check_fails_alone(evaluation: dict, training: dict, failing: str) -> None:
@@ -56,18 +95,92 @@ def test_each_check_fails_alone(evaluation: dict, training: dict, failing: str) 
     assert failed.describe().endswith(": FAIL")
 
 
+@pytest.mark.parametrize(
+    ("evaluation", "training", "failing", "says"),
+    [
+        (drop(GOOD_EVALUATION, "lc_win_rate_low"), GOOD_TRAINING, "lc_win_rate_low", "evaluation's metrics.json"),
+        (drop(GOOD_EVALUATION, "win_minus_loss_low"), GOOD_TRAINING, "win_minus_loss_low", "no valid verdict"),
+        (drop(GOOD_EVALUATION, "length_ratio"), GOOD_TRAINING, "length_ratio", "evaluation's metrics.json"),
+        (
+            drop(GOOD_EVALUATION, "alignment_tax_relative"),
+            GOOD_TRAINING,
+            "alignment_tax_relative",
+            "evaluation's metrics.json",
+        ),
+        (GOOD_EVALUATION, drop(GOOD_TRAINING, "val/kl_best"), "kl_to_reference", "val/kl_best is not in its PPO run"),
+        (GOOD_EVALUATION, drop(GOOD_TRAINING, "guard_stopped"), "no_collapse", "guard_stopped is not in its PPO run"),
+        (GOOD_EVALUATION, drop(GOOD_TRAINING, "guard_enabled"), "no_collapse", "guard_enabled is not in its PPO run"),
+    ],
+)
+def test_a_missing_figure_fails_its_check_saying_it_is_missing(
+    evaluation: dict, training: dict, failing: str, says: str
+) -> None:
+    checks = gate_checks(PromotionConfig(), evaluation, training)
+    assert [name for name, passed in verdicts(checks).items() if not passed] == [failing]
+    failed = by_name(checks)[failing]
+    assert failed.describe().startswith(f"{failing} = missing: ") and says in failed.describe()
+    assert failed.describe().endswith(": FAIL")
+
+
+def test_an_evaluation_from_before_the_length_controlled_judgement_fails_on_each_new_figure() -> None:
+    old = {"win_minus_loss": 0.3, "win_minus_loss_low": 0.05, "win_minus_loss_high": 0.55, "alignment_tax": 0.4}
+    checks = by_name(gate_checks(PromotionConfig(), old, GOOD_TRAINING))
+    assert [name for name, check in checks.items() if not check.passed] == [
+        "lc_win_rate_low",
+        "length_ratio",
+        "alignment_tax_relative",
+    ]
+    assert checks["length_ratio"].describe() == (
+        "length_ratio = missing: length_ratio is not in the evaluation's metrics.json (evaluated before it "
+        "existed?) (in [0.67, 1.5]): FAIL"
+    )
+
+
+def test_a_run_without_the_guard_is_reported_as_guard_disabled_never_as_no_collapse() -> None:
+    unguarded = {"val/kl_best": 0.12, "guard_stopped": 0.0, "guard_enabled": 0.0}  # the guard never fired: it was off
+    check = by_name(gate_checks(PromotionConfig(), GOOD_EVALUATION, unguarded))["no_collapse"]
+    assert not check.passed and check.shown_value() == "guard disabled"
+    assert check.value == 0.0  # the figure is kept, but never shown as a clean bill
+    assert check.describe() == "no_collapse = guard disabled (guard_enabled == 1 and guard_stopped == 0): FAIL"
+    result = PromotionResult(decision="rejected", model="rlhf-policy", checks=[check], message="rejected")
+    assert "| no_collapse | guard disabled | guard_enabled == 1 and guard_stopped == 0 | FAIL |" in result.markdown()
+
+
 def test_the_bounds_come_from_the_promotion_section() -> None:
-    settings = PromotionConfig(min_win_minus_loss_low=-0.2, max_kl=None, require_no_collapse=False)
+    settings = PromotionConfig(
+        min_lc_win_rate_low=None,
+        min_win_minus_loss_low=-0.2,
+        min_length_ratio=None,
+        max_length_ratio=None,
+        max_alignment_tax=None,
+        max_kl=None,
+        require_no_collapse=False,
+    )
     checks = gate_checks(settings, {"win_minus_loss_low": -0.1}, {"val/kl_best": 9.0, "guard_stopped": 1.0})
-    assert verdicts(checks) == {"win_minus_loss_low": True}  # the KL and collapse checks are off
+    assert verdicts(checks) == {"win_minus_loss_low": True}  # every other check is off
     assert checks[0].bound == "> -0.2"
-    assert verdicts(
-        gate_checks(PromotionConfig(max_kl=0.5), GOOD_EVALUATION, {**GOOD_TRAINING, "val/kl_best": 0.5})
-    ) == {
-        "win_minus_loss_low": True,
-        "kl_to_reference": True,  # at the bound is within it
-        "no_collapse": True,
-    }
+    at_the_bounds = {**GOOD_EVALUATION, "lc_win_rate_low": 0.41, "length_ratio": 2.0, "alignment_tax_relative": 0.1}
+    settings = PromotionConfig(min_lc_win_rate_low=0.4, max_length_ratio=2.0, max_alignment_tax=0.1, max_kl=0.5)
+    assert verdicts(gate_checks(settings, at_the_bounds, {**GOOD_TRAINING, "val/kl_best": 0.5})) == dict.fromkeys(
+        EVERY_CHECK, True
+    )  # at a bound is within it
+    one_sided = PromotionConfig(min_length_ratio=None)
+    assert by_name(gate_checks(one_sided, GOOD_EVALUATION, GOOD_TRAINING))["length_ratio"].bound == "<= 1.5"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"min_length_ratio": 1.0, "max_length_ratio": 1.0}, "min_length_ratio 1 must be < max_length_ratio 1"),
+        ({"min_length_ratio": 1.5}, "min_length_ratio"),  # a band must hold the unchanged length (ratio 1)
+        ({"max_length_ratio": 0.9}, "max_length_ratio"),
+        ({"min_lc_win_rate_low": 1.0}, "min_lc_win_rate_low"),
+        ({"max_alignment_tax": -0.1}, "max_alignment_tax"),
+    ],
+)
+def test_bad_bounds_are_refused_naming_the_key(settings: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        PromotionConfig(**settings)
 
 
 @pytest.mark.parametrize("reason", ["", "   "])
@@ -168,3 +281,21 @@ def test_candidates_from_a_local_sqlite_store(tmp_path: Path) -> None:
     candidates = find_candidates_task.fn(config, uri)
     assert (candidates.challenger, candidates.champion) == ("2", "1")
     assert registered_version(None) is None
+
+
+@pytest.mark.parametrize(
+    ("figures", "line"),
+    [
+        ({"guard_enabled": 1.0, "guard_stopped": 0.0}, "- collapse guard: did not fire"),
+        ({"guard_enabled": 1.0, "guard_stopped": 1.0, "guard_stop_step": 7.0}, "stopped the run at iteration 7"),
+        ({"guard_enabled": 0.0, "guard_stopped": 0.0}, "- collapse guard: was disabled (every ppo.guard bound null)"),
+    ],
+)
+def test_the_evaluation_report_says_when_the_guard_was_off(tmp_path: Path, figures: dict, line: str) -> None:
+    gain = {"prompts": 4, "mean": 0.1, "low": -0.1, "high": 0.3}
+    selection = {"chosen_step": 3, "reason": "latest", "gain_over_initial": gain}
+    (tmp_path / "selection.json").write_text(json.dumps(selection))
+    metrics = {"steps_completed": 3.0, "val/kl_best": 0.02, "critic_pretrain_steps": 1.0, **figures}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    evidence = ppo_evidence_markdown(tmp_path)
+    assert evidence is not None and line in evidence

@@ -13,3 +13,9 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are frozen after validation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_ratio_band(low: float | None, high: float | None, low_key: str, high_key: str) -> None:
+    """Refuse a band of ratios whose lower end is not below its upper end (None leaves that side open)."""
+    if low is not None and high is not None and low >= high:
+        raise ValueError(f"{low_key} {low:g} must be < {high_key} {high:g}: the band [{low_key}, {high_key}] is empty")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import Section
+from rlhf_core.config.base import Section, check_ratio_band
 from rlhf_core.config.generation import RolloutConfig
 from rlhf_core.config.lora import LoraConfig
 
@@ -47,15 +47,33 @@ VANILLA_SWITCHES: dict[str, Any] = {
 
 
 class CollapseGuardConfig(Section):
-    """Bounds that stop a collapsing run (paper 5.2); null disables a bound."""
+    """Bounds that stop a collapsing run (paper 5.2); null disables a bound. The length band is the
+    promotion gate's (`promotion.min_length_ratio` / `max_length_ratio`): a run that shortens its replies
+    past what the gate would refuse stops here first, on the training rollouts."""
 
     max_kl: float | None = Field(0.5, gt=0, description="Per-token KL to the reference.")
-    max_length_drift: float | None = Field(
-        2.0, gt=0, description="Allowed ratio of mean response length to the first step's (and inverse)."
+    min_length_ratio: float | None = Field(
+        0.67, gt=0, le=1, description="Smallest allowed mean response length over the initial policy's (shortening)."
+    )
+    max_length_ratio: float | None = Field(
+        1.5, ge=1, description="Largest allowed mean response length over the initial policy's (lengthening)."
     )
     max_perplexity_drop: float | None = Field(
         0.5, gt=0, lt=1, description="Largest allowed relative drop of response perplexity."
     )
+
+    @model_validator(mode="after")
+    def _length_band_not_empty(self) -> CollapseGuardConfig:
+        check_ratio_band(self.min_length_ratio, self.max_length_ratio, "min_length_ratio", "max_length_ratio")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any bound is set (the finite check of losses and gradients runs either way)."""
+        return any(
+            bound is not None
+            for bound in (self.max_kl, self.min_length_ratio, self.max_length_ratio, self.max_perplexity_drop)
+        )
 
 
 class PPOConfig(Section):

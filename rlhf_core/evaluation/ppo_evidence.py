@@ -44,6 +44,8 @@ def ppo_evidence_markdown(policy_dir: Path) -> str | None:
 
 
 def _guard_line(metrics: dict[str, float]) -> str:
+    if metrics.get("guard_enabled") == 0.0:
+        return "was disabled (every ppo.guard bound null): nothing watched this run for collapse"
     if metrics.get("guard_stopped"):
         return f"stopped the run at iteration {int(metrics['guard_stop_step'])}"
     return "did not fire"

@@ -7,6 +7,11 @@ rollout's monitors against configured bounds; length and perplexity are judged R
 START of the run (the mean over the rollouts of the initial, SFT policy), KL is absolute. A NaN or infinite
 loss or gradient norm stops the run too, before the optimizer applies it.
 
+The length band (`min_length_ratio`, `max_length_ratio`) defaults to the promotion gate's band on the
+evaluation's length ratio (tasks/promotion.py): a run that learns mostly to answer shorter stops here, on
+its training rollouts, rather than hand on a policy the gate would refuse. The gate checks the length
+again at evaluation's `max_new_tokens`, since training rollouts are capped shorter (ppo.rollout).
+
 Crossing a bound raises `CollapseError`, whose message names the bound, the value, the limit and the
 step. The trainer's caller then hands on the best checkpoint (see `trainer.fit`), not the last one.
 """
@@ -44,18 +49,18 @@ def check_kl(kl: float, max_kl: float | None, step: int) -> None:
         raise CollapseError("max_kl", step, f"per-token KL to the reference {kl:.4g} > max_kl {max_kl:g}")
 
 
-def check_length_drift(length: float, start_length: float, max_drift: float | None, step: int) -> None:
-    """Mean response length must stay within a factor `max_drift` of the initial policy's, either way."""
-    if max_drift is None:
-        return
+def check_length_ratio(
+    length: float, start_length: float, min_ratio: float | None, max_ratio: float | None, step: int
+) -> None:
+    """Mean response length over the initial policy's must stay within [`min_ratio`, `max_ratio`] (None:
+    that side open): the band the promotion gate holds the evaluation replies to, so a run that learns to
+    answer shorter stops before it hands on a policy the gate would refuse."""
     ratio = length / start_length
-    if ratio > max_drift or ratio < 1.0 / max_drift:
-        raise CollapseError(
-            "max_length_drift",
-            step,
-            f"mean response length {length:.4g} is {ratio:.3g} times the initial policy's "
-            f"{start_length:.4g}, outside [1/{max_drift:g}, {max_drift:g}]",
-        )
+    detail = f"mean response length {length:.4g} is {ratio:.3g} times the initial policy's {start_length:.4g}"
+    if min_ratio is not None and ratio < min_ratio:
+        raise CollapseError("min_length_ratio", step, f"{detail}, below min_length_ratio {min_ratio:g}")
+    if max_ratio is not None and ratio > max_ratio:
+        raise CollapseError("max_length_ratio", step, f"{detail}, above max_length_ratio {max_ratio:g}")
 
 
 def check_perplexity_drop(
@@ -99,7 +104,13 @@ class CollapseGuard:
                 "the guard's baseline is empty: the first rollout must come from the initial policy"
             )
         check_kl(metrics[KL_METRIC], self.bounds.max_kl, step)
-        check_length_drift(metrics[LENGTH_METRIC], self.start_length, self.bounds.max_length_drift, step)
+        check_length_ratio(
+            metrics[LENGTH_METRIC],
+            self.start_length,
+            self.bounds.min_length_ratio,
+            self.bounds.max_length_ratio,
+            step,
+        )
         check_perplexity_drop(
             metrics[PERPLEXITY_METRIC], self.start_perplexity, self.bounds.max_perplexity_drop, step
         )

@@ -41,7 +41,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.atomic import atomic_directory, atomic_write_text
-from rlhf_core.config import Config
+from rlhf_core.config import CollapseGuardConfig, Config
 from rlhf_core.data.prepare import REPORT_FILE, load_split
 from rlhf_core.layout import SELECTION_FILE
 from rlhf_core.distributed.context import stage_context
@@ -138,11 +138,15 @@ def read_history(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time: float) -> dict[str, float]:
+def stage_metrics(
+    result: FitResult, history: list[dict[str, float]], wall_time: float, guard: CollapseGuardConfig
+) -> dict[str, float]:
     """The headline figures of metrics.json: the selected policy vs the SFT policy (paired, with its 95%
-    interval), how the run ended, the critic before the policy moved, the first and last values of
-    the Figure-4 monitors, and how the reward ranked the SFT policy's replies by length (the first
-    rollout's `reward/length_spearman`, kept in history.jsonl across resumes)."""
+    interval), how the run ended (`guard_enabled`: whether the collapse guard had a bound to stop it by,
+    so that `guard_stopped` 0 of a run without one is not read as "no collapse"), the critic before the
+    policy moved, the first and last values of the Figure-4 monitors, and how the reward ranked the SFT
+    policy's replies by length (the first rollout's `reward/length_spearman`, kept in history.jsonl
+    across resumes)."""
     selected = result.selection
     chosen_row = next(row for row in history if row["step"] == selected.step and "val/reward" in row)
     initial_row = next(row for row in history if row["step"] == 0 and "val/reward" in row)
@@ -159,6 +163,7 @@ def stage_metrics(result: FitResult, history: list[dict[str, float]], wall_time:
         "val/reward_gain_low": gain.low,
         "val/reward_gain_high": gain.high,
         "val/prompts": float(gain.prompts),
+        "guard_enabled": float(guard.enabled),
         "guard_stopped": float(result.stop is not None),
         "resumed_from": float(result.resumed_from),  # the restored checkpoint's iteration (0: fresh start)
         "wall_time_s": wall_time,  # of this invocation (a resumed run counts only its own part)
@@ -305,7 +310,7 @@ def _write_outputs(result: FitResult, trainer: PPOTrainer, rm_dir: Path, out_dir
     rows = read_history(out_dir / "history.jsonl")
     plot_figure_4(rows, out_dir / "plots")
     plot_validation_gain(result.validations, result.selection.step, out_dir / "plots" / "validation_gain.png")
-    metrics = stage_metrics(result, rows, seconds)
+    metrics = stage_metrics(result, rows, seconds, trainer.guard.bounds)
     write_reward_record(out_dir, rm_dir)
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / "model")
