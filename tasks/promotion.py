@@ -43,7 +43,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from rlhf_core.config import Config, PromotionConfig
+from rlhf_core.config import Config
 from tasks.evaluation import (
     MODELS_URI_PREFIX,
     JudgeSpec,

@@ -44,7 +44,7 @@ from rlhf_core.evaluation.judges.reward_model import margin_verdict
 from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement
 from rlhf_core.evaluation.outputs import generation_rows, read_generations, write_jsonl
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
+from rlhf_core.evaluation.report import build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.stages.evaluate import GENERATION_BATCH_SIZE, GENERATIONS_FILE, judged_pairs
@@ -115,50 +115,6 @@ def vocabulary_judge(tokenizer: PreTrainedTokenizerBase, preferred: set[int]) ->
     )
 
 
-# ---- PENDING the length-controlled evaluation (issue 27, part 3, another branch): `EvaluationReport.metrics()`
-# gains lc_win_rate, lc_win_rate_low, lc_win_rate_high, length_ratio and alignment_tax_relative there. Until it
-# has them, `pending_contract_figures` computes them here; `evaluation_figures` lets the report's own figures win,
-# so once that branch is merged this block and its one call can simply be deleted.
-
-
-def pending_contract_figures(report: EvaluationReport, pairs: Sequence[JudgedPair], seed: int) -> dict[str, float]:
-    """lc_win_rate (AlpacaEval 2.0 style: a logistic model of the judge's preference, ties half, on
-    tanh(dlen / sd(dlen)), read at dlen 0) with a 95% percentile bootstrap over prompts, length_ratio and
-    alignment_tax_relative."""
-    dlen = np.array([pair.tokens_a - pair.tokens_b for pair in pairs], dtype=float)
-    spread = dlen.std()
-    x = np.tanh(dlen / spread) if spread > 0 else np.zeros_like(dlen)
-    y = np.array([(pair.verdict.outcome + 1) / 2 for pair in pairs])
-    rng = np.random.default_rng(seed)
-    resampled = [rng.integers(0, len(pairs), len(pairs)) for _ in range(1000)]
-    rates = [length_controlled_rate(x[rows], y[rows]) for rows in resampled]
-    figures = {
-        "lc_win_rate": length_controlled_rate(x, y),
-        "lc_win_rate_low": float(np.quantile(rates, 0.025)),
-        "lc_win_rate_high": float(np.quantile(rates, 0.975)),
-        "length_ratio": report.length.mean_tokens_a / report.length.mean_tokens_b,
-    }
-    if report.alignment_tax is not None:
-        figures["alignment_tax_relative"] = report.alignment_tax.relative_change
-    return figures
-
-
-def length_controlled_rate(x: np.ndarray, y: np.ndarray, ridge: float = 0.01) -> float:
-    """sigmoid(a) of the logistic fit of y on a + b x (Newton's method; the small ridge only keeps the fit
-    finite when every verdict goes one way)."""
-    design = np.stack([np.ones_like(x), x], axis=1)
-    theta = np.zeros(2)
-    for _ in range(25):
-        p = 1 / (1 + np.exp(-design @ theta))
-        gradient = design.T @ (y - p) - ridge * theta
-        hessian = design.T @ (design * (p * (1 - p))[:, None]) + ridge * np.eye(2)
-        theta += np.linalg.solve(hessian, gradient)
-    return float(1 / (1 + np.exp(-theta[0])))
-
-
-# ---- END PENDING
-
-
 # ---- the evaluation, as the eval stage makes it
 
 
@@ -192,7 +148,7 @@ def evaluation_figures(
     report = build_report(
         pairs, judge.info(), "A", "B", config.evaluation.generation, config.seed, alignment_tax=tax, resamples=1000
     )
-    return {**pending_contract_figures(report, pairs, config.seed), **report.metrics()}
+    return report.metrics()
 
 
 def ppo_run_figures(guard: CollapseGuardConfig, kl: float) -> dict[str, float]:
