@@ -91,6 +91,7 @@ HEADLINE_FIGURES = (
     "score_diff_high",
     "valid_pairs",
     "alignment_tax",
+    "alignment_tax_relative",
 )
 
 

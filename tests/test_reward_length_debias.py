@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.reward.length_debias import (
     BALANCE_BINS,
+    LENGTH_TERM_GAIN,
     LengthTerm,
     OdinLengthHead,
     length_balanced_indices,
@@ -78,7 +79,7 @@ def test_a_length_head_adds_to_the_ranking_logit_and_the_length_term_starts_at_z
     term = LengthTerm()
     assert term(torch.zeros(2, 8), torch.tensor([3, 40])).tolist() == [0.0, 0.0]
     with torch.no_grad():
-        term.weight.fill_(2.0)
+        term.scaled_weight.fill_(2.0 / LENGTH_TERM_GAIN)
     assert term(torch.zeros(2, 8), torch.tensor([3, 40])).tolist() == pytest.approx([2 * np.log(4), 2 * np.log(41)])
 
 

@@ -37,15 +37,26 @@ from rlhf_core.reward.scoring import PairOutputs, SideOutputs
 BALANCE_BINS = 5  # quantile bins of |len_chosen - len_rejected| in which `balanced` equalises the labels
 
 
+LENGTH_TERM_GAIN = 100.0  # w = GAIN * parameter: Adam moves a parameter by about lr a step, see LengthTerm
+
+
 class LengthTerm(nn.Module):
     """r_L = w * log(1 + tokens): one learned weight on the reply's log length (the `length_term` mode).
 
-    w starts at 0, so training begins as the plain ranking loss.
+    w starts at 0, so training begins as the plain ranking loss. It is stored as w / LENGTH_TERM_GAIN:
+    Adam moves every parameter by about the learning rate a step, which for a lone scalar at the reward
+    model's 2e-4 is 0.02 over a 93-step epoch, far below the unit-order weight length needs (measured:
+    docs/length-debias.md); the gain lets w move by ~0.02 a step instead.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(()))
+        self.scaled_weight = nn.Parameter(torch.zeros(()))
+
+    @property
+    def weight(self) -> Tensor:
+        """w, the weight of the log length in the ranking logit."""
+        return LENGTH_TERM_GAIN * self.scaled_weight
 
     def forward(self, end_hidden: Tensor, lengths: Tensor) -> Tensor:
         """[P] scores from `lengths` [P] (reply tokens); `end_hidden` [P, H] is not used."""
