@@ -40,6 +40,8 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
 from rlhf_core.evaluation.length_control import LengthControlledWinRate, length_controlled_win_rate
+# One bound for "similar length" in the report and in the reward models' length-matched accuracy.
+from rlhf_core.reward.length_metrics import LENGTH_MATCH_RATIO as SIMILAR_LENGTH_RATIO
 from rlhf_core.statistics import (
     DEFAULT_RESAMPLES,
     bootstrap_mean_interval,
@@ -50,7 +52,6 @@ from rlhf_core.statistics import (
     wilson_interval,
 )
 
-SIMILAR_LENGTH_RATIO = 0.2
 CONFIDENCE = 0.95
 MIN_LENGTH_MATCHED_PAIRS = 60  # issue 27: fewer length-matched pairs than this are too few to lean on
 

@@ -35,7 +35,7 @@ import numpy as np
 from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
 from rlhf_core.statistics import average_ranks, spearman
 
-LENGTH_MATCH_RATIO = 0.2  # |len_c - len_r| <= 0.2 * max: evaluation's SIMILAR_LENGTH_RATIO (evaluation/report.py)
+LENGTH_MATCH_RATIO = 0.2  # |len_c - len_r| <= 0.2 * max; the evaluation report's similar-length bound too
 AUC_GAIN_RESAMPLES = 1000  # each resample refits two small logistic regressions
 CONFIDENCE = 0.95
 RIDGE = 1e-4  # L2 penalty on the standardised weights: keeps the fit finite when the pairs are separable
