@@ -85,8 +85,9 @@ def test_cached_tokenizer_matches_the_gguf_tokenizer(gguf_loaded, cached) -> Non
     assert encode_conversation(cached_tokenizer, DIALOGUE, "Paris.") == expected
 
 
-def test_second_load_never_opens_the_gguf(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gguf_path = smollm2.packaged_gguf_path()
+def test_second_load_never_opens_the_gguf(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf_path = tmp_path / smollm2.GGUF_FILE_NAME
+    gguf_path.write_bytes(b"")
     opened: list[str] = []
     real_open = builtins.open
 
