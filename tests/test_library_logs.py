@@ -80,3 +80,19 @@ def test_nothing_to_divert_leaves_no_file(tmp_path: Path) -> None:
     with library_logs_to(path):
         logging.getLogger("rlhf_core.training").warning("our own warning")
     assert not path.parent.exists()
+
+
+def test_without_prefect_s_handler_the_last_resort_is_diverted_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage command does not import Prefect: with no handler on the root logger, Python prints warnings
+    through its last-resort handler, which the diversion filters the same way."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    path = run_log_path(tmp_path / "runs", "sft")
+    with library_logs_to(path):
+        logging.getLogger("a_library.module").warning("a library warning")
+        logging.getLogger("rlhf_core.training").warning("our own warning")
+
+    assert path.name.startswith("rlhf-sft-")
+    assert "WARNING a_library.module: a library warning" in path.read_text(encoding="utf-8")
+    assert capsys.readouterr().err == "our own warning\n"
