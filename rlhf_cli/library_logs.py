@@ -11,13 +11,16 @@ libraries' own progress bars and notices off when the project's are (rlhf_cli/qu
 commands under `runs/logs/` (`with_library_log`, applied where rlhf_cli/main.py registers them).
 
 Prefect's messages and the project's own (`rlhf_core`, `tasks`, `flows`, `rlhf_cli`) stay on the
-terminal. The libraries reach the terminal three ways, and each is diverted:
+terminal. The libraries reach the terminal four ways, and each is diverted:
 - through the root logger, which Prefect gives its console handler when imported (before the diversion
   starts, by a command that uses Prefect), or else Python's last-resort handler: a filter on those;
 - through handlers of their own, on loggers that do not propagate (`mlflow`, `DeepSpeed`,
   `transformers`), and Python warnings, captured into `py.warnings`: the same filter on those loggers
   (their own records, even when the library adds its handler later, as DeepSpeed does when it is first
   imported) and on the handlers they already have (records of child loggers, such as `mlflow.pyfunc`);
+- through loggers named after the class that logs, outside `prefect.`: Prefect's background senders
+  (`EventsWorker`, `APILogWorker`), which warn "Still processing items" while `rlhf data add` waits for
+  its event to go out: the same filter on those loggers;
 - MLflow's `eprint` lines ("Successfully registered model ...", "Created version ..."), which bypass
   logging and print to the stream `mlflow.utils.logging_utils.MLFLOW_LOGGING_STREAM`, looked up at each
   call: that stream is swapped for one that writes to the file. (MLflow's own `disable_logging` does not
@@ -40,6 +43,7 @@ from rlhf_cli.quiet_libraries import silence_libraries_unless_watched
 
 TERMINAL_LOGGERS = ("prefect", "rlhf_core", "tasks", "flows", "rlhf_cli")
 SELF_HANDLED_LOGGERS = ("mlflow", "DeepSpeed", "transformers", "py.warnings")
+PREFECT_SENDER_LOGGERS = ("EventsWorker", "APILogWorker")
 LOG_DIR_NAME = "logs"
 COMMAND_RUNS_DIR = Path("runs")  # the stage commands' logs go under it, beside `rlhf run`'s (its default runs dir)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -106,7 +110,7 @@ def library_logs_to(path: Path) -> Iterator[Path]:
     file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
     divert = ToLogFile(file_handler)
     filtered: list[logging.Filterer] = [*logging.getLogger().handlers, logging.lastResort]
-    for name in SELF_HANDLED_LOGGERS:
+    for name in (*SELF_HANDLED_LOGGERS, *PREFECT_SENDER_LOGGERS):
         logger = logging.getLogger(name)
         filtered += [logger, *logger.handlers]
     for filterer in filtered:
@@ -128,9 +132,9 @@ def library_logs_to(path: Path) -> Iterator[Path]:
 
 @contextmanager
 def library_log(path: Path) -> Iterator[Path]:
-    """A command's block with the libraries' bars and notices off unless someone watches
-    (rlhf_cli/quiet_libraries.py) and their messages in `path`, named after the block when it worked
-    and wrote any (print the summary inside the block); a failure's error comes instead."""
+    """Run a command's block quietly: the libraries' own bars and notices off unless someone watches stderr
+    (rlhf_cli/quiet_libraries.py), their messages in `path`. After a block that worked and left messages,
+    print the file's name (so print the summary inside the block); after a failure, its error is last."""
     silence_libraries_unless_watched()
     with library_logs_to(path):
         yield path
