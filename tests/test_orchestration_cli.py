@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import typer
-from fixtures.library_output import library_output
+from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.pairs import write_topic_pairs
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 from rlhf_cli import run_commands
-from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +88,8 @@ def test_a_successful_first_run_prints_no_traceback_no_error_and_one_summary(tmp
     project = tmp_path / "project"
     project.mkdir()
     data = write_topic_pairs(project / "pairs.jsonl", 160)
-    unset = ("RLHF_QUIET", *QUIET_LIBRARY_SETTINGS)  # nothing configured, as a new user has it
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
-    env = {key: value for key, value in env.items() if key not in unset}
+    env = without_quiet_switches(env)
     env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "run", "--data", str(data)]
     command += ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml"), *SHORTER]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.library_output import library_output, run_with_terminal_stderr
+from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
 from fixtures.tiny_ppo import tiny_config
 from safetensors.torch import load_file
 
@@ -184,10 +184,9 @@ def rlhf_sft_command(data_dir: Path, out: Path) -> list[str]:
 
 
 def command_env(**extra: str) -> dict[str, str]:
-    """This environment with the worktree's code first on the path (the command runs in tmp_path)."""
-    quiet_switches = ("RLHF_QUIET", "HF_HUB_DISABLE_PROGRESS_BARS", "DO_NOT_TRACK")  # as a new user has them: unset
-    env = {key: value for key, value in os.environ.items() if key not in quiet_switches}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | extra
+    """This environment as a new user has it, with this checkout's code first on the path (the command runs
+    in tmp_path, outside it)."""
+    return without_quiet_switches(dict(os.environ)) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | extra
 
 
 @pytest.mark.slow
