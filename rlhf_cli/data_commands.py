@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from rlhf_cli.library_logs import with_library_log
 from rlhf_cli.options import resolve_config
 from rlhf_core.config import Config
 from tasks.data_events import DATA_PUSHED_EVENT, emit_data_pushed
@@ -129,6 +130,7 @@ def nearest_existing(path: Path) -> Path:
 
 
 @data_app.command("add")
+@with_library_log("data-add")
 def add(
     file: Annotated[Path, typer.Argument(help="The new preference file (.jsonl, .jsonl.gz, .json, .parquet).")],
     remote: Annotated[

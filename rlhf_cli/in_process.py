@@ -5,9 +5,10 @@ Prefect starts a temporary server of its own, which inherits this process's envi
 settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
 1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
-3. sends other libraries' warnings and notices to a log file under the runs directory
-   (rlhf_cli/library_logs.py), so a flow that works prints its progress and its summary only, and
-   then the log file's name.
+3. imports Prefect, whose console handler the next step must find, and
+4. sends other libraries' warnings and notices to a log file under the runs directory, their progress
+   bars off when stderr is not a terminal (rlhf_cli/library_logs.py), so a flow that works prints its
+   progress and its summary only, and then the log file's name.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_cli.library_logs import library_logs_to, run_log_path
+from rlhf_cli.library_logs import library_log, run_log_path
 
 # For the temporary Prefect server:
 # - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
-#   database ("database is locked", with a traceback): off;
+#   database ("database is locked", with a traceback): off, and the client's too (DO_NOT_TRACK), which
+#   would otherwise print Prefect's anonymous-usage notice on a first run;
 # - it gets 20 s to start by default, which a busy 2-core machine overran: 120 s.
 # (It cannot hold the machine's training slot either: tasks/concurrency.py says why, and what does.)
 TEMPORARY_SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
 
@@ -49,7 +52,7 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 
     check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
-    with library_logs_to(run_log_path(runs_dir)) as log_path:
+    import prefect  # noqa: F401 - configures the root logger's console handler on import
+
+    with library_log(run_log_path(runs_dir)) as log_path:
         yield log_path
-    if log_path.exists():  # after a flow that worked; a failure's traceback comes first instead
-        print(f"other libraries' messages (warnings, MLflow, DeepSpeed): {log_path}", flush=True)

@@ -3,7 +3,10 @@
 Every subcommand takes `--config FILE` (an overlay on params.yaml, repeatable) and `-s key.path=value`
 (repeatable), resolves and validates the whole configuration before doing any work, and writes under
 `artifacts/<stage>/` unless `--out DIR` says otherwise. Failures exit non-zero with a one-line reason
-on stderr; a traceback is shown only with `RLHF_DEBUG=1`.
+on stderr; a traceback is shown only with `RLHF_DEBUG=1`. Other libraries' warnings go to a log file
+that the command names after its summary, and their progress bars are off when stderr is not a terminal
+or RLHF_QUIET is set (rlhf_cli/library_logs.py: `with_library_log` for the stage commands, `rlhf run`
+and `rlhf ablate` through rlhf_cli/in_process.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rlhf_cli import ppo_command, run_commands, stage_commands
 from rlhf_cli.ablate_command import ablate
 from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
+from rlhf_cli.library_logs import with_library_log
 from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
 
@@ -45,6 +49,7 @@ def config_show(
 
 
 @app.command("prepare-data")
+@with_library_log("prepare-data")
 def prepare_data(
     data: Annotated[
         Optional[str], typer.Option("--data", help="A local preference file or directory, or a Hub dataset id.")
@@ -62,12 +67,12 @@ def prepare_data(
     typer.echo(report.summary())
 
 
-app.command("sft")(stage_commands.sft)
-app.command("train-rm")(stage_commands.train_rm)
-app.command("judge-rm")(stage_commands.judge_rm)
-app.command("score-pairs")(stage_commands.score_pairs)
-app.command("ppo")(ppo_command.ppo)
-app.command("eval")(eval_command)
+app.command("sft")(with_library_log("sft")(stage_commands.sft))
+app.command("train-rm")(with_library_log("train-rm")(stage_commands.train_rm))
+app.command("judge-rm")(with_library_log("judge-rm")(stage_commands.judge_rm))
+app.command("score-pairs")(with_library_log("score-pairs")(stage_commands.score_pairs))
+app.command("ppo")(with_library_log("ppo")(ppo_command.ppo))
+app.command("eval")(with_library_log("eval")(eval_command))
 app.command("run")(run_commands.run)
 app.command("serve")(run_commands.serve)
 app.command("ablate")(ablate)

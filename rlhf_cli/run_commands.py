@@ -12,7 +12,8 @@ that works prints its progress, a line per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
-`prefect server start`), until interrupted.
+`prefect server start`), until interrupted. Its flow runs write to its log, never to a terminal, so it
+switches the libraries' progress bars and notices off for them (rlhf_cli/quiet_libraries.py).
 
 Flows (and with them Prefect, MLflow and torch) are imported inside the commands, so
 `rlhf --help` stays fast.
@@ -27,6 +28,7 @@ import typer
 
 from rlhf_cli.in_process import in_process_flow
 from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.quiet_libraries import silence_libraries
 
 DataOption = Annotated[
     Optional[str],
@@ -72,6 +74,7 @@ def run(
 
 def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
+    silence_libraries()  # before the flows import transformers; the flow-run processes inherit the switches
     from flows.deployments import serve_deployments
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 

@@ -7,12 +7,16 @@ parsing, one-line errors, exit status), which saves a fresh interpreter's torch 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fixtures.library_output import library_output, without_quiet_switches
 
 from rlhf_cli.main import main
+from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
 from rlhf_core.config import load_config
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
@@ -29,8 +33,12 @@ JUDGE_VARIABLES = ("RLHF_JUDGE_API_KEY", "OPENAI_API_KEY", "RLHF_JUDGE_BASE_URL"
 
 @pytest.fixture()
 def rlhf(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run `rlhf ARGS...` in the repository root; returns (exit status, stdout, stderr)."""
+    """Run `rlhf ARGS...` in the repository root; returns (exit status, stdout, stderr). The command
+    switches the libraries' bars off (stderr is captured, not a terminal) in the environment, which
+    monkeypatch restores after the test."""
     monkeypatch.chdir(ROOT)
+    for name, value in QUIET_LIBRARY_SETTINGS.items():
+        monkeypatch.setenv(name, value)
 
     def run(*args: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "argv", ["rlhf", *args])
@@ -132,6 +140,28 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
     assert second_metrics["tie_rate"] == 1.0 and second_metrics["judge_in_sample"] == 0.0
     assert second_metrics[f"agreement/{first_judge}/pairs"] == 6
     assert second_metrics[f"agreement/{first_judge}/percent"] == pytest.approx(ties / 6)
+
+
+@pytest.mark.slow
+def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(inputs, tmp_path: Path) -> None:
+    """A fresh `rlhf eval` (as a user runs it) loads its models: transformers' "Loading weights" bars and the
+    libraries' warnings stay out of the redirected stderr (issue 31)."""
+    stderr_file = tmp_path / "stderr.txt"
+    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "eval"]
+    command += ["--params", str(ROOT / "params.yaml")]
+    command += ["--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"])]
+    command += ["--data-dir", str(inputs["data"]), "-c", str(TINY), "-s", "evaluation.max_prompts=4"]
+    command += ["-s", "evaluation.generation.max_new_tokens=4", "--out", str(tmp_path / "eval")]
+    env = without_quiet_switches(dict(os.environ))
+    with stderr_file.open("w") as stderr:
+        result = subprocess.run(
+            command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=600,
+            env=env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    written = stderr_file.read_text()
+    assert result.returncode == 0, written
+    assert "eval: " in result.stdout and "pairs judged validly" in result.stdout
+    assert library_output(written) == [] and "WARNING" not in written and "Warning" not in written, written
 
 
 def test_llm_judge_without_an_endpoint_fails_naming_the_variables(

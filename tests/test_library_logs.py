@@ -1,7 +1,8 @@
-"""`rlhf run` routes other libraries' messages to its log file (rlhf_cli/library_logs.py): each way a library
-reaches the terminal (the root logger's handlers, a logger with handlers of its own, one added later, Python
-warnings, MLflow's eprint) ends in the file, while Prefect's and the project's messages stay on the terminal.
-The run itself is in tests/test_orchestration_cli.py."""
+"""`rlhf run` and the stage commands route other libraries' messages to a log file (rlhf_cli/library_logs.py):
+each way a library reaches the terminal (the root logger's handlers or Python's last resort, a logger with
+handlers of its own, one added later, Python warnings, Prefect's senders, MLflow's eprint) ends in the file,
+while Prefect's and the project's messages stay on the terminal. The commands themselves are in
+tests/test_orchestration_cli.py (`rlhf run`), test_sft_stage.py and test_eval_cli.py."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def test_library_messages_go_to_the_file_and_ours_stay_on_the_terminal(
             warnings.simplefilter("always")
             warnings.warn("a deprecated argument", DeprecationWarning, stacklevel=1)
         eprint("Successfully registered model 'rlhf-policy'.")
+        logging.getLogger("EventsWorker").warning("Still processing items: 1 items remaining...")
         logging.getLogger("rlhf_core.output_lock").warning("took over the lock of a dead process")
         logging.getLogger("prefect.tests").warning("a Prefect message")
     deepspeed.removeHandler(its_own_handler)
@@ -66,6 +68,7 @@ def test_library_messages_go_to_the_file_and_ours_stay_on_the_terminal(
         "WARNING py.warnings: ",
         "a deprecated argument",
         "INFO mlflow: Successfully registered model 'rlhf-policy'.",
+        "WARNING EventsWorker: Still processing items",
     ):
         assert message in logged
     assert "took over the lock" not in logged and "a Prefect message" not in logged
@@ -80,3 +83,19 @@ def test_nothing_to_divert_leaves_no_file(tmp_path: Path) -> None:
     with library_logs_to(path):
         logging.getLogger("rlhf_core.training").warning("our own warning")
     assert not path.parent.exists()
+
+
+def test_without_prefect_s_handler_the_last_resort_is_diverted_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage command does not import Prefect: with no handler on the root logger, Python prints warnings
+    through its last-resort handler, which the diversion filters the same way."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    path = run_log_path(tmp_path / "runs", "sft")
+    with library_logs_to(path):
+        logging.getLogger("a_library.module").warning("a library warning")
+        logging.getLogger("rlhf_core.training").warning("our own warning")
+
+    assert path.name.startswith("rlhf-sft-")
+    assert "WARNING a_library.module: a library warning" in path.read_text(encoding="utf-8")
+    assert capsys.readouterr().err == "our own warning\n"

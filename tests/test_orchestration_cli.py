@@ -3,7 +3,8 @@
 Only data preparation runs in the first test (`--stage prepare-data`), against the test Prefect server and an
 embedded MLflow store; the training stages through the same flow are covered by test_orchestration_flow.py and
 test_orchestration_pipeline.py. The last test runs the whole tiny pipeline as a new user does, in a fresh
-process with nothing configured (Prefect's temporary server, a SQLite MLflow store), and reads its terminal.
+process with nothing configured (Prefect's temporary server, a SQLite MLflow store), with stderr in a file,
+and reads both.
 """
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.pairs import write_topic_pairs
 from mlflow import MlflowClient
 from typer.testing import CliRunner
@@ -87,18 +89,25 @@ def test_a_successful_first_run_prints_no_traceback_no_error_and_one_summary(tmp
     project.mkdir()
     data = write_topic_pairs(project / "pairs.jsonl", 160)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env = without_quiet_switches(env)
     env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "run", "--data", str(data)]
     command += ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml"), *SHORTER]
 
-    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=FRESH_RUN_TIMEOUT_S)
+    stderr_file = tmp_path / "stderr.txt"
+    with stderr_file.open("w") as stderr:
+        result = subprocess.run(
+            command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            timeout=FRESH_RUN_TIMEOUT_S,
+        )  # fmt: skip
 
-    terminal = result.stdout + result.stderr
+    terminal = result.stdout + stderr_file.read_text()
     assert result.returncode == 0, terminal[-4000:]
     assert "Traceback" not in terminal
     assert [line for line in terminal.splitlines() if re.search(r"\bERROR\b", line)] == []
     assert terminal.count("run directory: ") == 1 and terminal.count("registered: rlhf-policy version 1") == 1
     assert "Setting accelerator to CPU" not in terminal and "Successfully registered model" not in terminal
+    assert library_output(stderr_file.read_text()) == []  # no library bars ("Loading weights", ...) nor notices
     (log_line,) = [line for line in result.stdout.splitlines() if line.startswith("other libraries' messages")]
     log = project / log_line.rsplit(": ", 1)[1]
     assert log.parent == project / "runs" / "logs"

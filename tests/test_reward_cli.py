@@ -80,7 +80,7 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
         str(workspace / "scores"),
     )
     assert scored.returncode == 0, scored.stderr
-    line = scored.stdout.strip().splitlines()[-1]
+    (line,) = [line for line in scored.stdout.splitlines() if line.startswith("score-pairs: ")]  # the summary
     assert line.startswith("score-pairs: accuracy ") and "(95% CI " in line and "on 60 pairs" in line
     assert "left out 1 unreadable rows" in line
     assert "balanced accuracy" in line and "length-matched" in line and "length rule" in line

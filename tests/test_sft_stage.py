@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
 from fixtures.tiny_ppo import tiny_config
 from safetensors.torch import load_file
 
@@ -162,13 +163,15 @@ def test_a_missing_data_dir_is_named_before_any_model_loads(tmp_path: Path) -> N
         run_sft(tiny_config(), tmp_path / "nowhere", tmp_path / "sft")
 
 
-@pytest.mark.slow
-def test_rlhf_sft_command(data_dir: Path, tmp_path: Path) -> None:
-    command = [
+def rlhf_sft_command(data_dir: Path, out: Path) -> list[str]:
+    """`rlhf sft` on the tiny model for 2 steps, runnable from any directory."""
+    return [
         sys.executable,
         "-c",
         "from rlhf_cli.main import main; main()",
         "sft",
+        "--params",
+        str(ROOT / "params.yaml"),
         "-c",
         str(TINY),
         "-s",
@@ -176,16 +179,53 @@ def test_rlhf_sft_command(data_dir: Path, tmp_path: Path) -> None:
         "--data-dir",
         str(data_dir),
         "--out",
-        str(tmp_path / "sft"),
+        str(out),
     ]
-    result = subprocess.run(
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr
+
+
+def command_env(**extra: str) -> dict[str, str]:
+    """This environment as a new user has it, with this checkout's code first on the path (the command runs
+    in tmp_path, outside it)."""
+    return without_quiet_switches(dict(os.environ)) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | extra
+
+
+@pytest.mark.slow
+def test_rlhf_sft_command_with_stderr_in_a_file(data_dir: Path, tmp_path: Path) -> None:
+    """The summary on stdout, nothing on the redirected stderr: DeepSpeed's warning is in the log file the
+    command names, transformers' "Writing model shards" bar is off (issue 31)."""
+    stderr_file = tmp_path / "stderr.txt"
+    with stderr_file.open("w") as stderr:
+        result = subprocess.run(
+            rlhf_sft_command(data_dir, tmp_path / "sft"),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            timeout=300,
+            env=command_env(),
+        )
+    assert result.returncode == 0, stderr_file.read_text()
     assert "sft: trained 2 steps" in result.stdout and "held-out reply perplexity" in result.stdout
     assert json.loads((tmp_path / "sft" / "metrics.json").read_text())["steps"] == 2
+    assert stderr_file.read_text() == ""
+    (log_line,) = [line for line in result.stdout.splitlines() if line.startswith("other libraries' messages")]
+    log = tmp_path / log_line.rsplit(": ", 1)[1]
+    assert log.parent == tmp_path / "runs" / "logs" and log.name.startswith("rlhf-sft-")
+    assert "WARNING DeepSpeed: Setting accelerator to CPU" in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", ["", "1"])
+def test_on_a_terminal_rlhf_quiet_turns_the_libraries_bars_off_too(data_dir: Path, tmp_path: Path, quiet: str) -> None:
+    """On a terminal transformers draws its bar, as the project draws its own; RLHF_QUIET=1 turns both off
+    (issue 30: the libraries' bars came through). DeepSpeed's warning goes to the log file either way."""
+    status, stdout, terminal = run_with_terminal_stderr(
+        rlhf_sft_command(data_dir, tmp_path / "sft"), tmp_path, command_env(RLHF_QUIET=quiet), timeout_s=300
+    )
+    assert status == 0, terminal
+    assert "sft: trained 2 steps" in stdout
+    if quiet:
+        assert library_output(terminal) == [], terminal
+    else:
+        assert "Writing model shards" in terminal and "it/s" in terminal
+    assert "Setting accelerator" not in terminal + stdout
