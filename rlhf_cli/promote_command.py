@@ -7,8 +7,9 @@
 The same flow as the `rlhf-promote` deployment (flows/promote.py), run in this process like `rlhf run`
 (a temporary Prefect server when PREFECT_API_URL is unset, the services checked first, other libraries'
 messages in a log file: rlhf_cli/in_process.py). The settings are checked by the flow's own rules before
-the flow starts: an override without a reason, or with a rollback, is a usage error. It prints the decision, its reason and
-each check of the gate, and exits with REFUSED_EXIT_CODE when the answer is a refusal.
+the flow starts: an override without a reason, or with a rollback, is a usage error. It prints the
+decision, its reason and each check of the gate, and exits with REFUSED_EXIT_CODE when the answer is a
+refusal.
 """
 
 from __future__ import annotations

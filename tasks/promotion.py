@@ -194,9 +194,15 @@ class PromotionResult(BaseModel):
         return "\n".join(lines)
 
 
-def champion_version(client: MlflowClient, name: str) -> str | None:
-    """The version the `champion` alias points at, or None before the first promotion."""
-    return registered_version(client.get_registered_model(name).aliases.get(CHAMPION_ALIAS))
+def model_aliases(client: MlflowClient, name: str) -> dict[str, str] | None:
+    """The aliases of the registered model `name` (alias -> version), or None when there is no such model."""
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException as error:
+        if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+        return None
+    return {alias: str(registered_version(version)) for alias, version in aliases.items()}
 
 
 def registered_version(version: str | int | None) -> str | None:
@@ -268,20 +274,12 @@ def promotion_judge(
 def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
     """The `challenger` and `champion` versions of the policy; no challenger is an error."""
     name = config.tracking.policy_model_name
-    client = MlflowClient(tracking_uri)
-    try:
-        aliases = client.get_registered_model(name).aliases
-    except MlflowException as error:
-        if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
-            raise
-        raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first") from error
+    aliases = model_aliases(MlflowClient(tracking_uri), name)
+    if aliases is None:
+        raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first")
     if CHALLENGER_ALIAS not in aliases:
         raise ValueError(f"{name} has no {CHALLENGER_ALIAS!r} version to promote: run the pipeline first")
-    return Candidates(
-        model=name,
-        challenger=str(registered_version(aliases[CHALLENGER_ALIAS])),
-        champion=registered_version(aliases.get(CHAMPION_ALIAS)),
-    )
+    return Candidates(model=name, challenger=aliases[CHALLENGER_ALIAS], champion=aliases.get(CHAMPION_ALIAS))
 
 
 @task(name="evaluation-inputs", **REGISTRY_TASK_OPTIONS)
@@ -413,7 +411,7 @@ def rollback_task(config: Config, tracking_uri: str, reason: str | None) -> Prom
     champion, or a first one, the result is the refusal `nothing-to-roll-back` and nothing changes."""
     name = config.tracking.policy_model_name
     client = MlflowClient(tracking_uri)
-    current = champion_version(client, name)
+    current = (model_aliases(client, name) or {}).get(CHAMPION_ALIAS)  # no such model: no champion either
     previous = None if current is None else client.get_model_version(name, current).tags.get(PREVIOUS_CHAMPION_TAG)
     if current is None or previous in (None, NO_VERSION):
         return nothing_to_roll_back(name, current, reason)

@@ -64,5 +64,5 @@ def evaluation_evidence(output: StageOutput, reused: bool) -> Evidence:
 
 def identical_models_evidence(sha256: str) -> Evidence:
     """The evidence of a challenger whose content is its baseline's: a tie, not evaluated."""
-    note = f"{IDENTICAL_MODELS}: the challenger's content sha256 is the baseline's ({sha256[:12]}), so every pair is a tie"
+    note = f"{IDENTICAL_MODELS}: the challenger's content sha256 is the baseline's ({sha256[:12]}), every pair a tie"
     return Evidence(metrics=IDENTICAL_MODELS_FIGURES, note=note)

@@ -175,7 +175,9 @@ def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, input
     common = ("--rm-dir", str(inputs["reward"]), "--data-dir", str(inputs["data"]), "-c", str(TINY),
               "-s", "evaluation.max_prompts=4", "-s", "evaluation.generation.max_new_tokens=4")
     out = tmp_path / "eval"
-    status, _, stderr = rlhf("eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"] / "model"), *common, "--out", str(out))
+    status, _, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"] / "model"), *common, "--out", str(out)
+    )
     assert status == 2
     assert "model A and model B are the same model" in stderr and "--allow-same" in stderr
     assert not out.exists()

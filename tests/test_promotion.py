@@ -501,7 +501,7 @@ def rlhf_promote_command(
     options = ["--params", str(common["params_file"]), "-c", str(common["config"][0]), "--runs-dir", "runs"]
     for override in common["overrides"]:
         options += ["-s", override]
-    monkeypatch.setattr(sys, "argv", ["rlhf", "promote", *args, *options])
+    monkeypatch.setattr(sys, "argv", ["rlhf", "promote", *options, *args])  # args last: their -s win
     with pytest.raises(SystemExit) as exit_info:
         main()
     captured = capsys.readouterr()
@@ -522,7 +522,13 @@ def test_rlhf_promote_prints_the_decision_and_exits_3_on_a_refusal(
 
     status, stdout, stderr = rlhf_promote_command(capsys, monkeypatch, "--rollback")
     assert status == REFUSED_EXIT_CODE, stderr
-    assert stdout.startswith(f"promotion of {POLICY}: nothing-to-roll-back: {POLICY} version 1 is the first champion")
+    assert f"promotion of {POLICY}: nothing-to-roll-back: {POLICY} version 1 is the first champion" in stdout
+    never = "promotion-policy-never-registered"
+    status, stdout, stderr = rlhf_promote_command(
+        capsys, monkeypatch, "--rollback", "-s", f"tracking.policy_model_name={never}"
+    )
+    assert status == REFUSED_EXIT_CODE, stderr
+    assert f"promotion of {never}: nothing-to-roll-back: {never} has no champion yet: nothing to roll back" in stdout
 
     scenario.client.set_registered_model_alias(POLICY, CHALLENGER_ALIAS, "2")
     judged = Counter[str]()
