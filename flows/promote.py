@@ -9,19 +9,26 @@ Mode `evaluate` (the default):
    `evaluation.judge` is llm, else by the independent judge reward model registered with the
    challenger, unless `promotion.judge_reward_model` names another (or `in_sample`, flagged); see
    tasks/promotion.py. The evaluation is the pipeline's evaluate task, cached on content, in an MLflow
-   run nested under this flow's own parent run;
+   run nested under this flow's own parent run: the pipeline's evaluation of the same policy against
+   the same SFT model (or an earlier promotion's of the same pair), with the same data, judge and
+   settings, is reused, and a challenger whose content is its baseline's is not evaluated at all (a
+   tie); the decision says which (tasks/promotion_evidence.py);
 3. apply the gate of `promotion` in params.yaml (tasks/promotion.py); a pass moves `champion` and tags
-   the version with the decision and its evidence, a fail leaves the registry unchanged.
+   the version with the decision and its evidence, a fail (`rejected`) leaves the registry unchanged.
 `override` promotes whatever the gate says; it requires a `reason`, which is recorded on the version.
 The rule is written twice: in the form's JSON schema (`FORM_RULES`, an `allOf` of `if`/`then`), which the
 Prefect UI validates the form against through the server (`/ui/schemas/validate`) and the server checks
 again when it creates a flow run of the deployment, so the UI refuses such a form and no run starts; and
 as the model's validator, for calls of the flow that bypass the schema (a subflow, a direct call).
 
-Mode `rollback`: move `champion` back to the version the current champion replaced.
+Mode `rollback`: move `champion` back to the version the current champion replaced; with no champion,
+or the first one, `nothing-to-roll-back`.
 
 Either way the flow's result (`PromotionResult`) and its markdown artifact `promotion-decision` say what
-was decided and why.
+was decided and why. A refusal (`rejected`, `nothing-to-roll-back`) is an answer, not a crash: the flow
+run ends Completed, in a state named after it ("Rejected", "Nothing to roll back") whose message is the
+reason, so the UI and `prefect deployment run --watch` show it. An error (no challenger, no judge, a
+service down) fails the run.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Completed, State
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
@@ -41,16 +49,20 @@ from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import close_run, open_pipeline_run
 from tasks.preflight import check_services, tracking_services
 from tasks.promotion import (
+    EvaluationInputs,
     PromotionResult,
     decide_task,
     evaluation_inputs_task,
     find_candidates_task,
     rollback_task,
 )
+from tasks.promotion_evidence import Evidence, evaluation_evidence, identical_models_evidence
 from tasks.stages import StageContext
 from tasks.tracking import resolve_tracking_uri
 
 FLOW_TAG = "rlhf.flow"
+# The Completed state a refusal ends in is named after it; other decisions end in the plain "Completed".
+REFUSAL_STATE_NAMES = {"rejected": "Rejected", "nothing-to-roll-back": "Nothing to roll back"}
 # The validator's rules as JSON Schema. `allOf` and not top-level `if`/`then`: Prefect's classic UI keeps
 # only some keywords of a parameter definition when it sends the schema to be validated (`allOf` among them).
 FORM_RULES: list[dict[str, object]] = [
@@ -95,8 +107,9 @@ DEFAULT_SETTINGS = PromoteSettings()
 
 
 @flow(name="rlhf-promote", description="Gate the challenger policy against the champion; promote or roll back.")
-def rlhf_promote(settings: PromoteSettings = DEFAULT_SETTINGS) -> PromotionResult:
-    """Promote (or not) or roll back, as `settings` asks; see the module docstring."""
+def rlhf_promote(settings: PromoteSettings = DEFAULT_SETTINGS) -> State[PromotionResult]:
+    """Promote (or not) or roll back, as `settings` asks; see the module docstring. Called as a function
+    (or a subflow) it returns the `PromotionResult`; its flow run's state is `final_state`'s."""
     logger = get_run_logger()
     project_dir = Path.cwd()
     config = load_config(settings.params_file, settings.config, settings.overrides)
@@ -110,7 +123,16 @@ def rlhf_promote(settings: PromoteSettings = DEFAULT_SETTINGS) -> PromotionResul
         result = evaluate_and_decide(config, Path(settings.runs_dir), project_dir, tracking_uri, override_reason)
     create_markdown_artifact(markdown=result.markdown(), key="promotion-decision", description="Promotion decision")
     logger.info("%s: %s", result.decision, result.message)
-    return result
+    return final_state(result)
+
+
+def final_state(result: PromotionResult) -> State[PromotionResult]:
+    """Completed, holding `result`, whatever the decision: named after a refusal, with the reason as message."""
+    return Completed(
+        name=REFUSAL_STATE_NAMES.get(result.decision, "Completed"),
+        message=f"{result.decision}: {result.message}",
+        data=result,
+    )
 
 
 def evaluate_and_decide(
@@ -135,20 +157,31 @@ def evaluate_and_decide(
     context = StageContext(run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking)
     try:
         inputs = evaluation_inputs_task(config, candidates, tracking_uri, context.cache_dir)
-        evaluation = with_cache_dir(evaluate_task, context.cache_dir)(
-            config,
-            inputs.data,
-            inputs.challenger,
-            inputs.baseline,
-            inputs.judge,
-            context,
-            names=(f"{candidates.model} version {candidates.challenger} (challenger)", inputs.baseline_name),
-        )
+        challenger_name = f"{candidates.model} version {candidates.challenger} (challenger)"
+        evidence = compare(config, inputs, context, challenger_name)
         result = decide_task(
-            config, candidates, evaluation, inputs.baseline_name, inputs.judge_choice, tracking_uri, override_reason
+            config, candidates, evidence, inputs.baseline_name, inputs.judge_choice, tracking_uri, override_reason
         )
     except BaseException as error:
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
     close_run(tracking.client(), tracking.parent_run_id)
     return result
+
+
+def compare(config: Config, inputs: EvaluationInputs, context: StageContext, challenger_name: str) -> Evidence:
+    """The challenger against its baseline (tasks/promotion_evidence.py): not evaluated when their contents
+    are the same, else the evaluate task, whose cache answers for an evaluation already made."""
+    if inputs.challenger.sha256 == inputs.baseline.sha256:
+        return identical_models_evidence(inputs.challenger.sha256)
+    state = with_cache_dir(evaluate_task, context.cache_dir)(
+        config,
+        inputs.data,
+        inputs.challenger,
+        inputs.baseline,
+        inputs.judge,
+        context,
+        names=(challenger_name, inputs.baseline_name),
+        return_state=True,
+    )
+    return evaluation_evidence(state.result(), reused=state.name == "Cached")

@@ -5,7 +5,10 @@
 
 A model (`--a`, `--b`, `--rm-dir`) is a stage output or model directory, or an MLflow registry URI
 (`models:/name@alias`, `models:/name/3`) on the tracking store MLFLOW_TRACKING_URI (or
-tracking.tracking_uri) names, downloaded once into `artifacts/registry/` (tasks/evaluation.py).
+tracking.tracking_uri) names, downloaded once into the model cache, `$RLHF_CACHE_DIR/registry/`
+(default ~/.cache/rlhf-pipeline/registry/; tasks/evaluation.py), not into the working tree.
+Models A and B that are the same model by content (the sha256 of their model files, as registered) are
+refused: every pair would be a tie. `--allow-same` evaluates them anyway, with a warning.
 When a model is a `models:/` URI (model A's, else B's) and `--data-dir` or, for the reward-model judge,
 `--rm-dir` is not given, they come from that version's lineage tags (tasks/eval_lineage.py): the
 prepared data it was trained on and the judge reward model registered with it; the command prints
@@ -31,9 +34,18 @@ from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, r
 from rlhf_core.config import Config
 
 MODELS_URI_PREFIX = "models:/"
-REGISTRY_CACHE = Path("artifacts/registry")
+REGISTRY_CACHE_SUBDIR = Path("registry")  # under $RLHF_CACHE_DIR, beside the converted packaged models
 DEFAULT_DATA_DIR = Path("artifacts/data")
 DEFAULT_RM_DIR = "artifacts/reward"
+SAME_MODEL = "model A and model B are the same model (content sha256 {}): every pair would be a tie"
+
+
+def registry_cache() -> Path:
+    """Where `models:/` URIs are downloaded: the model cache (rlhf_core/models/gguf_cache.py), not the
+    working tree."""
+    from rlhf_core.models.gguf_cache import default_cache_dir
+
+    return default_cache_dir(REGISTRY_CACHE_SUBDIR)
 
 
 def local_model(reference: str, config: Config) -> Path:
@@ -41,9 +53,33 @@ def local_model(reference: str, config: Config) -> Path:
     imported only then, so the common case stays fast)."""
     if not reference.startswith(MODELS_URI_PREFIX):
         return Path(reference)
-    from tasks.evaluation import resolve_model_reference
+    from tasks.evaluation import resolve_registered_model
 
-    return resolve_model_reference(reference, config, REGISTRY_CACHE)
+    return resolve_registered_model(reference, config, registry_cache()).out_dir
+
+
+def compared_model(reference: str, config: Config) -> tuple[Path, str]:
+    """Model A's or B's local directory (`local_model`) and its content sha256: a directory's model files,
+    or a download's as it was registered (tasks/evaluation.py `downloaded_model_sha256`)."""
+    if not reference.startswith(MODELS_URI_PREFIX):
+        from rlhf_core.evaluation.model_dirs import resolve_model_dir
+        from tasks.outputs import directory_sha256
+
+        return Path(reference), directory_sha256(resolve_model_dir(reference))
+    from tasks.evaluation import resolve_registered_model
+
+    output = resolve_registered_model(reference, config, registry_cache())
+    return output.out_dir, output.sha256
+
+
+def check_not_same(sha256_a: str, sha256_b: str, allow_same: bool) -> None:
+    """Refuse two models with the same content (SAME_MODEL); with `allow_same`, warn on stderr instead."""
+    if sha256_a != sha256_b:
+        return
+    message = SAME_MODEL.format(sha256_a[:12])
+    if not allow_same:
+        raise typer.BadParameter(f"{message}; pass --allow-same to evaluate anyway", param_hint="--a/--b")
+    typer.echo(f"warning: {message}; evaluating anyway (--allow-same)", err=True)
 
 
 def eval_inputs(
@@ -88,6 +124,10 @@ def eval_command(
             "record its reward model; e.g. one trained on a disjoint split).",
         ),
     ] = False,
+    allow_same: Annotated[
+        bool,
+        typer.Option("--allow-same", help="Evaluate even when A and B are the same model by content (all ties)."),
+    ] = False,
     agree_with: Annotated[
         Optional[list[Path]],
         typer.Option("--agree-with", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
@@ -119,11 +159,13 @@ def eval_command(
 
         check_services(tracking_services(resolved.tracking.tracking_uri, Path.cwd()))
     data, judge_rm = eval_inputs((a, b), data_dir, rm_dir, chosen, resolved)
+    (dir_a, sha256_a), (dir_b, sha256_b) = compared_model(a, resolved), compared_model(b, resolved)
+    check_not_same(sha256_a, sha256_b, allow_same)
     result = run_evaluate(
         resolved,
         data,
-        local_model(a, resolved),
-        local_model(b, resolved),
+        dir_a,
+        dir_b,
         out if out is not None else Path("artifacts/eval"),
         judge=chosen,
         rm_dir=local_model(judge_rm, resolved) if judge_rm is not None else None,

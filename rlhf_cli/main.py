@@ -24,6 +24,7 @@ from rlhf_cli.ablate_command import ablate
 from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
 from rlhf_cli.library_logs import with_library_log
+from rlhf_cli.promote_command import promote
 from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
 
@@ -76,6 +77,7 @@ app.command("eval")(with_library_log("eval")(eval_command))
 app.command("run")(run_commands.run)
 app.command("serve")(run_commands.serve)
 app.command("ablate")(ablate)
+app.command("promote")(promote)
 app.add_typer(data_app, name="data")
 
 

@@ -59,6 +59,9 @@ BACKGROUND = {
 }
 # What a command must print besides exiting 0 (curl exits 0 on any HTTP answer).
 EXPECTED_OUTPUT = {"curl ": '"choices"'}
+# Commands whose documented answer may be a refusal, and its exit status: `rlhf promote` exits 3 when the
+# gate rejects the challenger or there is nothing to roll back (`rlhf promote --help`), printing why.
+REFUSAL_STATUS = {"rlhf promote": 3}
 NEEDS_CHAMPION = "@champion"  # there is a champion only after the first promotion (the UI's Run of rlhf-promote)
 DOCS = ("README.md", "data/README.md")
 # Rows of the example files. data/README.md's new-pairs.jsonl is the whole raw data its `dvc repro`
@@ -166,7 +169,8 @@ def run_documented(session: Session, doc: str, command: str) -> None:
     seconds = time.monotonic() - started
     session.printed |= summary_lines(completed.stdout)
     expected = next((text for prefix, text in EXPECTED_OUTPUT.items() if filled.startswith(prefix)), "")
-    ok = completed.returncode == 0 and expected in completed.stdout
+    refusal = next((status for prefix, status in REFUSAL_STATUS.items() if filled.startswith(prefix)), 0)
+    ok = completed.returncode in (0, refusal) and expected in completed.stdout
     detail = "" if ok else (completed.stderr + completed.stdout)[-1500:]
     session.outcomes.append(Outcome(doc, filled, ok, seconds, detail))
     report(session.outcomes[-1])

@@ -15,11 +15,13 @@
 - `JudgeSpec`: which judge, and what pins it for the cache key: the reward model's content hash, or
   the LLM judge's model name. Whether a reward-model judge is in-sample is decided by `run_evaluate`
   from model A's record of the reward model PPO optimised against.
-- `resolve_model_reference`: a directory stays as it is; an MLflow `models:/name@alias` or
+- `resolve_model_output`: a directory stays as it is; an MLflow `models:/name@alias` or
   `models:/name/3` is downloaded once into a local directory in Hugging Face layout (the policy's
   weights and tokenizer; the reward model's directory), with the policy's reward record rebuilt from
   its registry tags, so that the in-sample check works on registered models too, and the judge reward
   model's training_data.json rebuilt from its tags, so that the report says what the judge was trained on.
+  A download's content hash is the registered model's (`downloaded_model_sha256`), so an evaluation is
+  found in the cache whether it was made of the stage output or of its registry copy.
 - `evaluation_tags` and `evaluation_summary`: what the registered version and `rlhf run` say of it.
 """
 
@@ -45,7 +47,7 @@ from rlhf_core.config import Config
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.outputs import read_jsonl
 from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
-from rlhf_core.reward.training_data import write_training_data
+from rlhf_core.reward.training_data import TRAINING_DATA_FILE, write_training_data
 from rlhf_core.stages.evaluate import (
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
@@ -60,7 +62,7 @@ from rlhf_core.stages.ppo import REWARD_RECORD_FILE
 from tasks.artifacts import publish_table
 from tasks.caching import StageCachePolicy
 from tasks.concurrency import training_slot
-from tasks.outputs import StageOutput, directory_sha256
+from tasks.outputs import StageOutput, directory_sha256, files_sha256, hashed_files
 from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG, training_data_from_tags
 from tasks.stages import STAGE_SECTIONS, STAGE_TASK_OPTIONS, StageContext, tracked_stage
 from tasks.tracking import resolve_tracking_uri
@@ -68,6 +70,9 @@ from tasks.tracking import resolve_tracking_uri
 MODELS_URI_PREFIX = "models:/"
 REGISTRY_STAGE = "registry"  # the `stage` of a StageOutput downloaded from the model registry
 PAIRS_TABLE = "pairs.json"
+# Written by `download_version` next to a downloaded model's files, rebuilt from registry tags: records
+# about the model, not part of it, so they stay out of its content hash (`downloaded_model_sha256`).
+REBUILT_FILES = frozenset({REWARD_RECORD_FILE, TRAINING_DATA_FILE})
 EVALUATED = "evaluated"
 EVALUATION_TAG_PREFIX = "evaluation."
 # The figures of metrics.json that go on the evaluated version as tags, the length-controlled ones first.
@@ -312,8 +317,9 @@ def download_version(
     (`rlhf.reward_model_version`) gets the reward record PPO wrote, rebuilt from that version's
     content tag. A version with `training_data.*` tags (only the judge reward model is registered with
     them) gets its training_data.json back next to its weights, so the report says what the judge was
-    trained on; the file enters the download's hash, so the in-sample check cannot take the judge for
-    the reward model a policy was optimised against.
+    trained on; the file enters the directory's hash that the in-sample check takes, so it cannot take the
+    judge for the reward model a policy was optimised against. The output's `sha256` leaves these rebuilt
+    files out (`downloaded_model_sha256`).
     """
     identity = f"{tracking_uri}\n{version.name}\n{version.version}\n{version.tags.get(CONTENT_TAG, '')}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
@@ -342,10 +348,19 @@ def download_version(
     return StageOutput(
         stage=REGISTRY_STAGE,
         out_dir=target,
-        sha256=directory_sha256(target),
+        sha256=downloaded_model_sha256(target),
         model_dir=target,
         uri=f"{MODELS_URI_PREFIX}{version.name}/{version.version}",
     )
+
+
+def downloaded_model_sha256(target: Path) -> str:
+    """The content hash of a downloaded model: `directory_sha256` without the REBUILT_FILES. It equals the
+    hash of the stage output's model directory the version was registered from (its `rlhf.content_sha256`
+    tag), so the evaluate task's cache finds the pipeline's evaluation of that stage output
+    (tasks/promotion_evidence.py)."""
+    model_files = [path for path in hashed_files(target) if path.relative_to(target).as_posix() not in REBUILT_FILES]
+    return files_sha256(target, model_files)
 
 
 def copy_model_files(download: Path, target: Path) -> None:
@@ -378,9 +393,7 @@ def resolve_model_output(reference: str, tracking_uri: str, reward_model_name: s
     return download_version(client, tracking_uri, registered_version(client, reference), reward_model_name, cache_root)
 
 
-def resolve_model_reference(reference: str, config: Config, cache_root: Path) -> Path:
-    """The local directory `reference` names: itself, or a `models:/` URI's download (`rlhf eval`)."""
-    if not is_registry_uri(reference):
-        return Path(reference)
+def resolve_registered_model(reference: str, config: Config, cache_root: Path) -> StageOutput:
+    """A `models:/` URI's download into `cache_root`, on the tracking store `config` names (`rlhf eval`)."""
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri, Path.cwd())
-    return resolve_model_output(reference, tracking_uri, config.tracking.reward_model_name, cache_root).out_dir
+    return resolve_model_output(reference, tracking_uri, config.tracking.reward_model_name, cache_root)

@@ -25,7 +25,9 @@ A pass moves `champion` to the challenger and tags that version with the decisio
 (`promotion.*`). A fail leaves the registry as it was and says why. An override promotes whatever the
 gate says, and needs a reason, which is recorded. Every promoted version records the champion it
 replaced (`promotion.previous_champion`): a rollback moves `champion` back to it, so repeated
-rollbacks walk back through the history.
+rollbacks walk back through the history, until the first champion: then, as with no champion at all,
+the decision is `nothing-to-roll-back`. It and `rejected` are refusals (`REFUSALS`): answers the flow
+gives as a Completed run, never errors.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from tasks.evaluation import (
     resolve_model_output,
 )
 from tasks.outputs import StageOutput
+from tasks.promotion_evidence import Evidence
 from tasks.promotion_gate import GateCheck, gate_checks
 from tasks.registry import (
     CHALLENGER_ALIAS,
@@ -81,7 +84,9 @@ REGISTRY_TASK_OPTIONS: dict[str, Any] = {
     "retry_condition_fn": is_retryable,
 }
 
-Decision = Literal["promoted", "promoted-by-override", "rejected", "unchanged", "rolled-back"]
+Decision = Literal["promoted", "promoted-by-override", "rejected", "unchanged", "rolled-back", "nothing-to-roll-back"]
+# Decisions that refuse what was asked: answers, not errors, so the flow run still ends Completed (flows/promote.py).
+REFUSALS: frozenset[str] = frozenset({"rejected", "nothing-to-roll-back"})
 JudgeSource = Literal["llm", "registered", "in_sample", "configured"]
 
 
@@ -140,6 +145,7 @@ class PromotionResult(BaseModel):
     baseline: str | None = None
     checks: list[GateCheck] = []
     evaluation_run_id: str | None = None
+    evaluation_note: str | None = None  # how the evidence was had when not by a new evaluation (reused, identical)
     judge: JudgeChoice | None = None
     judge_in_sample: bool | None = None  # as the evaluation found (the judge_in_sample figure)
     reason: str | None = None
@@ -162,6 +168,8 @@ class PromotionResult(BaseModel):
             lines.append(f"- judge: {self.judge.describe()}{in_sample}")
         if self.evaluation_run_id:
             lines.append(f"- evaluation MLflow run: {self.evaluation_run_id}")
+        if self.evaluation_note:
+            lines.append(f"- evaluation: {self.evaluation_note}")
         if self.reason:
             lines.append(f"- reason given: {self.reason}")
         if self.checks:
@@ -172,10 +180,29 @@ class PromotionResult(BaseModel):
             ]
         return "\n".join(lines) + "\n"
 
+    @property
+    def refused(self) -> bool:
+        """Whether the decision refuses what was asked (`REFUSALS`): the gate rejected, or nothing to roll back."""
+        return self.decision in REFUSALS
 
-def champion_version(client: MlflowClient, name: str) -> str | None:
-    """The version the `champion` alias points at, or None before the first promotion."""
-    return registered_version(client.get_registered_model(name).aliases.get(CHAMPION_ALIAS))
+    def summary(self) -> str:
+        """What `rlhf promote` prints: the decision and its reason, then each check of the gate."""
+        lines = [f"promotion of {self.model}: {self.decision}: {self.message}"]
+        if self.evaluation_note:
+            lines.append(f"  evaluation: {self.evaluation_note}")
+        lines += [f"  {check.describe()}" for check in self.checks]
+        return "\n".join(lines)
+
+
+def model_aliases(client: MlflowClient, name: str) -> dict[str, str] | None:
+    """The aliases of the registered model `name` (alias -> version), or None when there is no such model."""
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException as error:
+        if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+        return None
+    return {alias: str(registered_version(version)) for alias, version in aliases.items()}
 
 
 def registered_version(version: str | int | None) -> str | None:
@@ -247,20 +274,12 @@ def promotion_judge(
 def find_candidates_task(config: Config, tracking_uri: str) -> Candidates:
     """The `challenger` and `champion` versions of the policy; no challenger is an error."""
     name = config.tracking.policy_model_name
-    client = MlflowClient(tracking_uri)
-    try:
-        aliases = client.get_registered_model(name).aliases
-    except MlflowException as error:
-        if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
-            raise
-        raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first") from error
+    aliases = model_aliases(MlflowClient(tracking_uri), name)
+    if aliases is None:
+        raise ValueError(f"there is no registered model {name} at {tracking_uri}: run the pipeline first")
     if CHALLENGER_ALIAS not in aliases:
         raise ValueError(f"{name} has no {CHALLENGER_ALIAS!r} version to promote: run the pipeline first")
-    return Candidates(
-        model=name,
-        challenger=str(registered_version(aliases[CHALLENGER_ALIAS])),
-        champion=registered_version(aliases.get(CHAMPION_ALIAS)),
-    )
+    return Candidates(model=name, challenger=aliases[CHALLENGER_ALIAS], champion=aliases.get(CHAMPION_ALIAS))
 
 
 @task(name="evaluation-inputs", **REGISTRY_TASK_OPTIONS)
@@ -316,13 +335,14 @@ def evidence_tags(result: PromotionResult) -> dict[str, str]:
 def decide_task(
     config: Config,
     candidates: Candidates,
-    evaluation: StageOutput,
+    evidence: Evidence,
     baseline_name: str,
     judge: JudgeChoice,
     tracking_uri: str,
     override_reason: str | None,
 ) -> PromotionResult:
-    """Apply the gate; on a pass (or an override with its reason) tag the challenger and move `champion`.
+    """Apply the gate to `evidence` (tasks/promotion_evidence.py); on a pass (or an override with its reason)
+    tag the challenger and move `champion`.
 
     The tags are set before the alias moves, so a champion always carries its evidence. A failed gate
     without an override changes nothing in the registry. An in-sample judge (as the evaluation found)
@@ -330,7 +350,7 @@ def decide_task(
     """
     client = MlflowClient(tracking_uri)
     challenger = client.get_model_version(candidates.model, candidates.challenger)
-    checks = gate_checks(config.promotion, evaluation.metrics, training_metrics(client, challenger))
+    checks = gate_checks(config.promotion, evidence.metrics, training_metrics(client, challenger))
     passed = all(check.passed for check in checks)
     failed = "; ".join(check.describe() for check in checks if not check.passed)
     if passed:
@@ -342,9 +362,11 @@ def decide_task(
     else:
         decision = "rejected"
         message = f"Version {candidates.challenger} stays the {CHALLENGER_ALIAS}; the registry is unchanged. Failed: {failed}."
-    in_sample = evaluation.metrics.get("judge_in_sample") == 1.0
+    in_sample = evidence.metrics.get("judge_in_sample") == 1.0
     if in_sample:
         message += f" Judged {IN_SAMPLE_WARNING}."
+    if evidence.note:
+        message += f" Evaluation: {evidence.note}."
     result = PromotionResult(
         decision=decision,
         model=candidates.model,
@@ -353,7 +375,8 @@ def decide_task(
         champion_after=candidates.champion if decision == "rejected" else candidates.challenger,
         baseline=baseline_name,
         checks=checks,
-        evaluation_run_id=evaluation.mlflow_run_id,
+        evaluation_run_id=evidence.mlflow_run_id,
+        evaluation_note=evidence.note,
         judge=judge,
         judge_in_sample=in_sample,
         reason=override_reason,
@@ -366,17 +389,32 @@ def decide_task(
     return result
 
 
+def nothing_to_roll_back(name: str, champion: str | None, reason: str | None) -> PromotionResult:
+    """The refusal of a rollback: no `champion` yet, or the champion is the first one (it replaced none)."""
+    if champion is None:
+        why = f"{name} has no {CHAMPION_ALIAS} yet: nothing to roll back"
+    else:
+        why = f"{name} version {champion} is the first {CHAMPION_ALIAS}: there is no earlier one to restore"
+    return PromotionResult(
+        decision="nothing-to-roll-back",
+        model=name,
+        champion_before=champion,
+        champion_after=champion,
+        reason=reason,
+        message=f"{why}; the registry is unchanged.",
+    )
+
+
 @task(name="rollback", **REGISTRY_TASK_OPTIONS)
 def rollback_task(config: Config, tracking_uri: str, reason: str | None) -> PromotionResult:
-    """Move `champion` back to the version the current champion replaced, and record it on both."""
+    """Move `champion` back to the version the current champion replaced, and record it on both; with no
+    champion, or a first one, the result is the refusal `nothing-to-roll-back` and nothing changes."""
     name = config.tracking.policy_model_name
     client = MlflowClient(tracking_uri)
-    current = champion_version(client, name)
-    if current is None:
-        raise ValueError(f"{name} has no {CHAMPION_ALIAS} to roll back")
-    previous = client.get_model_version(name, current).tags.get(PREVIOUS_CHAMPION_TAG, NO_VERSION)
-    if previous == NO_VERSION:
-        raise ValueError(f"{name} version {current} is the first {CHAMPION_ALIAS}: there is no earlier one to restore")
+    current = (model_aliases(client, name) or {}).get(CHAMPION_ALIAS)  # no such model: no champion either
+    previous = None if current is None else client.get_model_version(name, current).tags.get(PREVIOUS_CHAMPION_TAG)
+    if current is None or previous in (None, NO_VERSION):
+        return nothing_to_roll_back(name, current, reason)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     demoted = {
         DECISION_TAG: "rolled-back",

@@ -199,6 +199,28 @@ def test_an_unfinished_model_is_refused(rlhf, inputs, tmp_path: Path) -> None:
     assert "unfinished stage output" in stderr
 
 
+def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, inputs, tmp_path: Path) -> None:
+    """The stage output and its model directory are one model: refused (every pair would tie), before any work;
+    `--allow-same` evaluates them anyway, with a warning, and every pair is a tie."""
+    common = ("--rm-dir", str(inputs["reward"]), "--data-dir", str(inputs["data"]), "-c", str(TINY),
+              "-s", "evaluation.max_prompts=4", "-s", "evaluation.generation.max_new_tokens=4")
+    out = tmp_path / "eval"
+    status, _, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"] / "model"), *common, "--out", str(out)
+    )
+    assert status == 2
+    assert "model A and model B are the same model" in stderr and "--allow-same" in stderr
+    assert not out.exists()
+
+    status, stdout, stderr = rlhf(
+        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"]), "--allow-same", *common, "--out", str(out)
+    )
+    assert status == 0, stderr
+    (warning,) = [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert "model A and model B are the same model" in warning and "evaluating anyway (--allow-same)" in warning
+    assert json.loads((out / "metrics.json").read_text())["tie_rate"] == 1.0
+
+
 @pytest.fixture(scope="module")
 def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """An embedded MLflow registry as `rlhf run` leaves it: reward model, independent judge, and two policy
@@ -256,6 +278,7 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     models:/...@champion` finds the eval data and the judge in the challenger's tags."""
     uri, judge_dir = registry
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # nothing under artifacts/ here
     common = ("--params", str(ROOT / "params.yaml"), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
               "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4")
@@ -279,6 +302,8 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     assert "PPO-prompt split" in report["judge"]["description"]  # the registered judge's training_data tags
     verdicts = [json.loads(line) for line in (tmp_path / "eval" / "verdicts.jsonl").read_text().splitlines()]
     assert len(verdicts) == 6  # the eval split of the lineage's prepared data
+    assert not (tmp_path / "artifacts").exists()  # the downloads are in the model cache, not the working tree
+    assert len(list((tmp_path / "cache" / "registry").glob("eval-policy-v*"))) == 2
 
     # Given paths win over the lineage, and nothing is printed about it.
     status, stdout, stderr = rlhf(
@@ -287,6 +312,13 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     )
     assert status == 0, stderr
     assert "eval data:" not in stdout and "judge:" not in stdout.replace("**Judge:**", "")
+
+    # The registry copy of a stage output is that model, by content: refused as the same model.
+    status, _, stderr = rlhf(
+        "eval", "--a", "models:/eval-policy@challenger", "--b", str(inputs["ppo"]), "--rm-dir", str(judge_dir),
+        "--data-dir", str(inputs["data"]), *common, "--out", str(tmp_path / "same"),
+    )
+    assert status == 2 and "model A and model B are the same model" in stderr
 
     # A version without a registered judge: one line naming the ways to give one, before any work.
     status, _, stderr = rlhf(

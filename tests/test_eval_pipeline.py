@@ -192,7 +192,8 @@ def test_rlhf_eval_takes_registered_models_by_uri(
     reward = register(tracking, mlflow_server, run_id, REWARD_NAME, outputs["reward"], {}, alias=None)
     policy_tags = {REWARD_VERSION_TAG: reward.version}
     register(tracking, mlflow_server, run_id, POLICY_NAME, outputs["ppo"], policy_tags, alias=CHALLENGER_ALIAS)
-    monkeypatch.chdir(tmp_path)  # downloads go to ./artifacts/registry
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))  # downloads go to the model cache
 
     def rlhf_eval(*args: str) -> tuple[int, str, str]:
         common = ["-c", str(ROOT / "configs" / "tiny.yaml"), "--params", str(ROOT / "params.yaml")]
@@ -212,10 +213,11 @@ def test_rlhf_eval_takes_registered_models_by_uri(
     assert status == 0, stderr
     assert f"# Evaluation: {uri} (A) vs" in stdout
     assert "In-sample judge" in stdout  # the registry says which reward model trained the policy
-    (policy,) = (tmp_path / "artifacts" / "registry").glob(f"{POLICY_NAME}-v1-*")
+    assert not (tmp_path / "artifacts").exists()  # nothing downloaded into the working tree
+    (policy,) = (tmp_path / "cache" / "registry").glob(f"{POLICY_NAME}-v1-*")
     assert json.loads((policy / REWARD_RECORD_FILE).read_text())["sha256"] == outputs["reward"].sha256
     assert (policy / "config.json").is_file() and (policy / "tokenizer_config.json").is_file()
-    (reward_dir,) = (tmp_path / "artifacts" / "registry").glob(f"{REWARD_NAME}-v{reward.version}-*")
+    (reward_dir,) = (tmp_path / "cache" / "registry").glob(f"{REWARD_NAME}-v{reward.version}-*")
     assert output_sha256(reward_dir, reward_dir) == outputs["reward"].sha256  # the very reward model
     metrics = json.loads((tmp_path / "eval-registry" / "metrics.json").read_text())
     assert metrics["judge_in_sample"] == 1.0 and metrics["valid_pairs"] >= 1
