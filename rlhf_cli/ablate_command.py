@@ -22,22 +22,22 @@ import typer
 from rlhf_cli.in_process import in_process_flow
 from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
 
-GridOption = Annotated[Path, typer.Option("--grid", help="The grid file: named variants (configs/ablations/*.yaml).")]
+GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
     Optional[str],
-    typer.Option("--base", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
+    typer.Option("--base", metavar="RUN", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
 ]
 VariantOption = Annotated[
-    Optional[list[str]], typer.Option("--variant", help="Run only this variant of the grid (repeatable).")
+    Optional[list[str]], typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable).")
 ]
-InputOption = Annotated[Optional[str], typer.Option(help="This input instead of the base's (a stage output directory).")]
+InputOption = Annotated[Optional[str], typer.Option(metavar="DIR", help="This input instead of the base's (a stage output directory).")]
 JudgeOption = Annotated[
-    Optional[str], typer.Option("--judge", help="Judge reward model instead of the base's (directory or models:/ URI).")
+    Optional[str], typer.Option("--judge", metavar="MODEL", help="Judge reward model instead of the base's (directory or models:/ URI).")
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where the ablation's directory and the stage cache go.")]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where the ablation's directory and the stage cache go.")]
 RemoteStoreOption = Annotated[
     Optional[str],
-    typer.Option("--remote-store", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
+    typer.Option("--remote-store", metavar="S3_PREFIX", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
 ]
 
 

@@ -1,9 +1,11 @@
 """The `rlhf` command: one subcommand per stage, plus config inspection.
 
-Every subcommand takes `--config FILE` (an overlay on params.yaml, repeatable) and `-s key.path=value`
-(repeatable), resolves and validates the whole configuration before doing any work, and writes under
-`artifacts/<stage>/` unless `--out DIR` says otherwise. Failures exit non-zero with a one-line reason
-on stderr; a traceback is shown only with `RLHF_DEBUG=1`.
+Every command that reads the configuration takes `--config FILE` (an overlay on params.yaml,
+repeatable), `-s key.path=value` (repeatable) and `--params FILE`, and resolves and validates the whole
+configuration before doing any work; stage commands write under `artifacts/<stage>/` unless `--out DIR`
+says otherwise (README.md, "Configuration", lists each command's options; tests/test_cli_help.py keeps
+that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr; a traceback is
+shown only with `RLHF_DEBUG=1`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ from rlhf_cli import ppo_command, run_commands, stage_commands
 from rlhf_cli.ablate_command import ablate
 from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
-from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
+from rlhf_cli.options import HELP_FORMAT, ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,  # main() turns errors into one line
+    rich_markup_mode=HELP_FORMAT,
     help=__doc__.splitlines()[0],
 )
-config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_FORMAT, help="Inspect the resolved configuration.")
 app.add_typer(config_app, name="config")
 
 
@@ -47,7 +50,7 @@ def config_show(
 @app.command("prepare-data")
 def prepare_data(
     data: Annotated[
-        Optional[str], typer.Option("--data", help="A local preference file or directory, or a Hub dataset id.")
+        Optional[str], typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id.")
     ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,

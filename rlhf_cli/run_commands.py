@@ -30,18 +30,20 @@ from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_conf
 
 DataOption = Annotated[
     Optional[str],
-    typer.Option("--data", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
+    typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where run directories and the stage cache go.")]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where run directories and the stage cache go.")]
 StageOption = Annotated[
     Optional[list[str]],
     typer.Option(
         "--stage",
-        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, evaluate, register.",
+        metavar="STAGE",
+        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, judge-reward, ppo, "
+        "evaluate, register.",
     ),
 ]
 LimitOption = Annotated[
-    Optional[int], typer.Option("--limit", help="Most flow runs this process runs at once (default: no cap).")
+    Optional[int], typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap).")
 ]
 
 
