@@ -6,10 +6,11 @@
 URI); `--data/--sft/--reward/--judge` name single inputs instead. `--config`/`-s` shape the base
 configuration every variant starts from (scale, steps, learning rates); each variant then sets its
 preset and `ppo.*` overrides (docs/ablation.md). Every variant is validated before Prefect starts: a
-bad key exits with status 2 naming the variant and the key. Like `rlhf run`, the flow runs in this
-process (a temporary Prefect server when PREFECT_API_URL is unset, checked services and other
-libraries' messages in a log file: rlhf_cli/in_process.py) and tracks to MLflow; the command ends by
-printing where the comparison is.
+bad key exits with status 2 naming the variant and the key; so is the base (no `--base` and an input
+missing, a `--base` that cannot name a run, an input directory that is not a complete stage output), in
+one line. Like `rlhf run`, the flow runs in this process (a temporary Prefect server when
+PREFECT_API_URL is unset, checked services and other libraries' messages in a log file:
+rlhf_cli/in_process.py) and tracks to MLflow; the command ends by printing where the comparison is.
 """
 
 from __future__ import annotations
@@ -77,5 +78,6 @@ def ablate(
             remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
         )
         plan = settings.plan()  # every variant validated before Prefect starts
+        settings.reference().check()  # and the base's inputs named (rather than failing inside the flow)
         typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
         typer.echo(rlhf_ablation(settings).summary())

@@ -6,9 +6,10 @@ MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_
 tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
 printing where the results are: run directory, data version, MLflow run, evaluation, registered versions.
 Before any work both commands check the services they will use (tasks/preflight.py) and stop within
-seconds, in one line, when one does not answer; `rlhf run` also sets up the temporary server and sends
-other libraries' warnings and notices to `runs/logs/rlhf-run-*.log` (rlhf_cli/in_process.py), so a run
-that works prints its progress, a line per stage and the summary.
+seconds, in one line, when one does not answer (and `rlhf run` that a local `--data` exists);
+`rlhf run` also sets up the temporary server and sends other libraries' warnings and notices to
+`runs/logs/rlhf-run-*.log` (rlhf_cli/in_process.py), so a run that works prints its progress, a line
+per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
@@ -60,7 +61,9 @@ def run(
     with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
         # Imported inside: importing the flows already makes libraries warn.
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+        from rlhf_core.stages.prepare_data import resolve_sources
 
+        resolve_sources(data or resolved.data.source, resolved)  # a missing local input: one line, before Prefect
         settings = PipelineSettings(
             config=[str(path) for path in config or []],
             overrides=list(set_ or []),
