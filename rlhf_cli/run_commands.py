@@ -13,7 +13,8 @@ per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
-`prefect server start`), until interrupted.
+`prefect server start`), until interrupted: it stops within 5 s of SIGINT or SIGTERM, also when that
+server is gone (flows/serving.py).
 
 Flows (and with them Prefect, MLflow and torch) are imported inside the commands, so
 `rlhf --help` stays fast.
@@ -77,7 +78,7 @@ def run(
 
 def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
-    from flows.deployments import serve_deployments
+    from flows.serving import serve_deployments
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 
     check_services([*prefect_api_services(), *tracking_services(None, Path.cwd())])
