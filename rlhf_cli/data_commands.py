@@ -1,5 +1,8 @@
 """`rlhf data ...`: version the raw preference data with DVC.
 
+`rlhf data status` says in one line where `data/raw` stands (no data in this commit, not pulled,
+edited, or a version ready for `dvc repro`) and what to do first.
+
 `rlhf data add FILE` validates a new preference file with the data stage's checks (against the rows
 already in `data/raw/`), copies it into `data/raw/`, runs `dvc add data/raw` and `dvc push`, and prints
 the new data version (the md5 DVC records in `data/raw.dvc`) with a report of every new row whose prompt
@@ -24,7 +27,7 @@ import typer
 from rlhf_cli.options import HELP_FORMAT, ConfigOption, ParamsOption, SetOption, resolve_config
 from rlhf_core.config import Config
 from tasks.data_events import DATA_PUSHED_EVENT, emit_data_pushed
-from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, workspace_matches
+from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, raw_data_status, workspace_matches
 from tasks.preflight import check_services, dvc_remote_services, prefect_api_services
 
 if TYPE_CHECKING:
@@ -150,3 +153,10 @@ def add(
     resolved = resolve_config(params, config, set_)
     result = add_preference_file(file, resolved, out or DEFAULT_RAW_DIR, remote=remote, push=push)
     typer.echo(result.summary())
+
+
+@data_app.command("status")
+def status() -> None:
+    """Say in one line where the raw data (data/raw) stands and what to do first (in a fresh clone:
+    `rlhf data add FILE` or `dvc pull data/raw.dvc`)."""
+    typer.echo(raw_data_status(DEFAULT_RAW_DIR))
