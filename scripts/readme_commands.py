@@ -16,9 +16,10 @@ that fails after `rlhf run` (issue 16) shows here first. For each document, in o
 4. prints one line per command (ok / FAILED / - for not run, seconds) and ends with status 1 if any
    failed.
 
-data/README.md starts with the fresh-clone DVC path (`rlhf data status`, a plain `dvc pull`, `dvc
-status`), then adds data, pulls it by target, and runs `dvc repro --dry`, `dvc repro` and the
-experiments: so this script checks, in a fresh clone, that each of them exits 0 in that order.
+data/README.md starts with the fresh-clone DVC path (`rlhf data status`, a plain `dvc pull`,
+`dvc status`), then adds data, pulls it by target, and runs `dvc repro --dry prepare_data`,
+`dvc repro` and the experiments: so this script checks, in a fresh clone, that each of them exits 0
+in that order.
 
 Not run: the install and test-suite lines (the CI's job), the S3 lines with the reader's own bucket
 (tests/test_dvc_data_add.py runs them on an rclone S3 server), and infra/README.md's compose stack (it
