@@ -4,7 +4,7 @@ add`), and `rlhf-stage` (one training stage, started by the pipeline and the abl
 stages: flows/remote_stage.py).
 
 Two ways to run them, from the same definitions:
-- `rlhf serve` serves them from this machine (`serve_deployments`): no work pool or worker needed;
+- `rlhf serve` serves them from this machine (flows/serving.py): no work pool or worker needed;
   press Run in the Prefect UI, fill in the form, and this process runs the flow;
 - `prefect deploy --all` reads `prefect.yaml`, which declares the same deployments for work pools
   (tests/test_orchestration_deployments.py checks that the two agree): `rlhf-stage` on the GPU pool
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import Flow, serve
+from prefect import Flow
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.schedules import Cron
@@ -130,11 +130,3 @@ def runner_deployment(spec: DeploymentSpec) -> RunnerDeployment:
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
 
-
-def serve_deployments(limit: int | None = None) -> None:
-    """Register every deployment with the configured Prefect server and run their flow runs (blocks).
-
-    `limit` caps the flow runs this process runs at once; training stages are kept one at a time per
-    machine by the training concurrency limit (tasks/concurrency.py) whatever it is.
-    """
-    serve(*(runner_deployment(spec) for spec in DEPLOYMENTS), limit=limit)

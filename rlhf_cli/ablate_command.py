@@ -6,10 +6,11 @@
 URI); `--data/--sft/--reward/--judge` name single inputs instead. `--config`/`-s` shape the base
 configuration every variant starts from (scale, steps, learning rates); each variant then sets its
 preset and `ppo.*` overrides (docs/ablation.md). Every variant is validated before Prefect starts: a
-bad key exits with status 2 naming the variant and the key. Like `rlhf run`, the flow runs in this
-process (a temporary Prefect server when PREFECT_API_URL is unset, checked services and other
-libraries' messages in a log file: rlhf_cli/in_process.py) and tracks to MLflow; the command ends by
-printing where the comparison is.
+bad key exits with status 2 naming the variant and the key; so is the base (no `--base` and an input
+missing, a `--base` that cannot name a run, an input directory that is not a complete stage output), in
+one line. Like `rlhf run`, the flow runs in this process (a temporary Prefect server when
+PREFECT_API_URL is unset, checked services and other libraries' messages in a log file:
+rlhf_cli/in_process.py) and tracks to MLflow; the command ends by printing where the comparison is.
 """
 
 from __future__ import annotations
@@ -22,22 +23,22 @@ import typer
 from rlhf_cli.in_process import in_process_flow
 from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
 
-GridOption = Annotated[Path, typer.Option("--grid", help="The grid file: named variants (configs/ablations/*.yaml).")]
+GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
     Optional[str],
-    typer.Option("--base", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
+    typer.Option("--base", metavar="RUN", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
 ]
 VariantOption = Annotated[
-    Optional[list[str]], typer.Option("--variant", help="Run only this variant of the grid (repeatable).")
+    Optional[list[str]], typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable).")
 ]
-InputOption = Annotated[Optional[str], typer.Option(help="This input instead of the base's (a stage output directory).")]
+InputOption = Annotated[Optional[str], typer.Option(metavar="DIR", help="This input instead of the base's (a stage output directory).")]
 JudgeOption = Annotated[
-    Optional[str], typer.Option("--judge", help="Judge reward model instead of the base's (directory or models:/ URI).")
+    Optional[str], typer.Option("--judge", metavar="MODEL", help="Judge reward model instead of the base's (directory or models:/ URI).")
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where the ablation's directory and the stage cache go.")]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where the ablation's directory and the stage cache go.")]
 RemoteStoreOption = Annotated[
     Optional[str],
-    typer.Option("--remote-store", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
+    typer.Option("--remote-store", metavar="S3_PREFIX", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
 ]
 
 
@@ -77,5 +78,6 @@ def ablate(
             remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
         )
         plan = settings.plan()  # every variant validated before Prefect starts
+        settings.reference().check()  # and the base's inputs named (rather than failing inside the flow)
         typer.echo(f"ablation {plan.grid.name}: {', '.join(item.name for item in plan.variants)}")
         typer.echo(rlhf_ablation(settings).summary())

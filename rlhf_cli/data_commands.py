@@ -1,5 +1,8 @@
 """`rlhf data ...`: version the raw preference data with DVC.
 
+`rlhf data status` says in one line where `data/raw` stands (no data in this commit, not pulled,
+edited, or a version ready for `dvc repro`) and what to do first.
+
 `rlhf data add FILE` validates a new preference file with the data stage's checks (against the rows
 already in `data/raw/`), copies it into `data/raw/`, runs `dvc add data/raw` and `dvc push`, and prints
 the new data version (the md5 DVC records in `data/raw.dvc`) with a report of every new row whose prompt
@@ -22,10 +25,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from rlhf_cli.library_logs import with_library_log
-from rlhf_cli.options import resolve_config
+from rlhf_cli.options import HELP_FORMAT, ConfigOption, ParamsOption, SetOption, resolve_config
 from rlhf_core.config import Config
 from tasks.data_events import DATA_PUSHED_EVENT, emit_data_pushed
-from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, workspace_matches
+from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, raw_data_status, workspace_matches
 from tasks.preflight import check_services, dvc_remote_services, prefect_api_services
 
 if TYPE_CHECKING:
@@ -38,7 +41,7 @@ class RawDataMismatchError(RuntimeError):
     """The raw data on disk is not the version its .dvc file records (not pulled yet, or edited)."""
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Version the raw preference data with DVC (data/raw).")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_FORMAT, help="Version the raw preference data with DVC (data/raw).")
 
 
 @dataclass(frozen=True)
@@ -132,24 +135,30 @@ def nearest_existing(path: Path) -> Path:
 @data_app.command("add")
 @with_library_log("data-add")
 def add(
-    file: Annotated[Path, typer.Argument(help="The new preference file (.jsonl, .jsonl.gz, .json, .parquet).")],
+    # Described in the docstring, not in an Arguments section: that section would print a type tag.
+    file: Annotated[Path, typer.Argument(metavar="FILE", hidden=True)],
     remote: Annotated[
-        Optional[str], typer.Option("--remote", "-r", help="DVC remote to push to (default: core.remote).")
+        Optional[str], typer.Option("--remote", "-r", metavar="NAME", help="DVC remote to push to (default: core.remote).")
     ] = None,
     push: Annotated[bool, typer.Option("--push/--no-push", help="Push the new version to the remote.")] = True,
-    config: Annotated[
-        Optional[list[Path]],
-        typer.Option("--config", "-c", help="Overlay YAML merged over params.yaml (repeatable)."),
-    ] = None,
-    set_: Annotated[
-        Optional[list[str]], typer.Option("--set", "-s", help="Override one value: key.path=value (repeatable).")
-    ] = None,
-    params: Annotated[Path, typer.Option("--params", help="The base parameter file.")] = Path("params.yaml"),
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    params: ParamsOption = Path("params.yaml"),
     out: Annotated[
-        Optional[Path], typer.Option("--out", help="The DVC-tracked raw data directory (default data/raw).")
+        Optional[Path], typer.Option("--out", metavar="DIR", help="The DVC-tracked raw data directory (default data/raw).")
     ] = None,
 ) -> None:
-    """Validate a preference file, merge it into the raw data, dvc add + push it, print the data version."""
+    """Validate a preference file, merge it into the raw data, dvc add + push it, print the data version.
+
+    FILE: the new preference file (.jsonl, .jsonl.gz, .json or .parquet; data/README.md).
+    """
     resolved = resolve_config(params, config, set_)
     result = add_preference_file(file, resolved, out or DEFAULT_RAW_DIR, remote=remote, push=push)
     typer.echo(result.summary())
+
+
+@data_app.command("status")
+def status() -> None:
+    """Say in one line where the raw data (data/raw) stands and what to do first (in a fresh clone:
+    `rlhf data add FILE` or `dvc pull data/raw.dvc`)."""
+    typer.echo(raw_data_status(DEFAULT_RAW_DIR))

@@ -103,15 +103,16 @@ def eval_inputs(
 
 
 def eval_command(
-    a: Annotated[str, typer.Option("--a", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")],
-    b: Annotated[str, typer.Option("--b", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")],
+    a: Annotated[str, typer.Option("--a", metavar="MODEL", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")],
+    b: Annotated[str, typer.Option("--b", metavar="MODEL", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")],
     judge: Annotated[
-        Optional[str], typer.Option("--judge", help="rm | llm (default: evaluation.judge in params.yaml).")
+        Optional[str], typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml).")
     ] = None,
     rm_dir: Annotated[
         Optional[str],
         typer.Option(
             "--rm-dir",
+            metavar="MODEL",
             help="The reward model judging (a train-rm output directory or models:/ URI; default: the judge "
             "registered with a models:/ model A or B, else artifacts/reward).",
         ),
@@ -130,12 +131,13 @@ def eval_command(
     ] = False,
     agree_with: Annotated[
         Optional[list[Path]],
-        typer.Option("--agree-with", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
+        typer.Option("--agree-with", metavar="FILE", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
     ] = None,
     data_dir: Annotated[
         Optional[Path],
         typer.Option(
             "--data-dir",
+            metavar="DIR",
             help="Prepared data (output of prepare-data; default: the data a models:/ model A or B was trained "
             "on, else artifacts/data).",
         ),

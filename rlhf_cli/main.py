@@ -1,12 +1,14 @@
 """The `rlhf` command: one subcommand per stage, plus config inspection.
 
-Every subcommand takes `--config FILE` (an overlay on params.yaml, repeatable) and `-s key.path=value`
-(repeatable), resolves and validates the whole configuration before doing any work, and writes under
-`artifacts/<stage>/` unless `--out DIR` says otherwise. Failures exit non-zero with a one-line reason
-on stderr; a traceback is shown only with `RLHF_DEBUG=1`. Other libraries' warnings go to a log file
-that the command names after its summary, and their progress bars are off when stderr is not a terminal
-or RLHF_QUIET is set (rlhf_cli/library_logs.py: `with_library_log` for the stage commands, `rlhf run`
-and `rlhf ablate` through rlhf_cli/in_process.py).
+Every command that reads the configuration takes `--config FILE` (an overlay on params.yaml,
+repeatable), `-s key.path=value` (repeatable) and `--params FILE`, and resolves and validates the whole
+configuration before doing any work; stage commands write under `artifacts/<stage>/` unless `--out DIR`
+says otherwise (README.md, "Configuration", lists each command's options; tests/test_cli_help.py keeps
+that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr; a traceback is
+shown only with `RLHF_DEBUG=1`. Other libraries' warnings go to a log file that the command names
+after its summary, and their progress bars are off when stderr is not a terminal or RLHF_QUIET is set
+(rlhf_cli/library_logs.py: `with_library_log` for the stage commands, `rlhf run` and `rlhf ablate`
+through rlhf_cli/in_process.py).
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
 from rlhf_cli.library_logs import with_library_log
 from rlhf_cli.promote_command import promote
-from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
+from rlhf_cli.options import HELP_FORMAT, ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,  # main() turns errors into one line
+    rich_markup_mode=HELP_FORMAT,
     help=__doc__.splitlines()[0],
 )
-config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved configuration.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_FORMAT, help="Inspect the resolved configuration.")
 app.add_typer(config_app, name="config")
 
 
@@ -53,7 +56,7 @@ def config_show(
 @with_library_log("prepare-data")
 def prepare_data(
     data: Annotated[
-        Optional[str], typer.Option("--data", help="A local preference file or directory, or a Hub dataset id.")
+        Optional[str], typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id.")
     ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,

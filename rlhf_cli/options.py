@@ -13,19 +13,24 @@ import typer
 
 from rlhf_core.config import Config, load_config
 
+# Click's plain help layout rather than Rich's tables: Rich prints a type tag (`<bool>`, `<str>`) beside
+# every option, flags and `--help` included; plain help shows each option's metavar below and nothing
+# for a flag (tests/test_cli_help.py keeps every help page free of type tags).
+HELP_FORMAT = None
+
 ConfigOption = Annotated[
     Optional[list[Path]],
-    typer.Option("--config", "-c", help="Overlay YAML merged over params.yaml (repeatable)."),
+    typer.Option("--config", "-c", metavar="FILE", help="Overlay YAML merged over params.yaml (repeatable)."),
 ]
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", "-s", help="Override one value: key.path=value (repeatable)."),
+    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override one value: key.path=value (repeatable)."),
 ]
-ParamsOption = Annotated[Path, typer.Option("--params", help="The base parameter file.")]
-OutOption = Annotated[Optional[Path], typer.Option("--out", help="Output directory of the stage.")]
-DataDirOption = Annotated[Path, typer.Option("--data-dir", help="Prepared data (output of prepare-data).")]
-SftDirOption = Annotated[Path, typer.Option("--sft-dir", help="Output directory of the sft stage.")]
-RmDirOption = Annotated[Path, typer.Option("--rm-dir", help="Output directory of the train-rm stage.")]
+ParamsOption = Annotated[Path, typer.Option("--params", metavar="FILE", help="The base parameter file.")]
+OutOption = Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Output directory of the stage.")]
+DataDirOption = Annotated[Path, typer.Option("--data-dir", metavar="DIR", help="Prepared data (output of prepare-data).")]
+SftDirOption = Annotated[Path, typer.Option("--sft-dir", metavar="DIR", help="Output directory of the sft stage.")]
+RmDirOption = Annotated[Path, typer.Option("--rm-dir", metavar="DIR", help="Output directory of the train-rm stage.")]
 RestartOption = Annotated[
     bool,
     typer.Option(

@@ -6,14 +6,16 @@ MLflow tracks to `mlflow.db` + `mlruns/` in the working directory unless MLFLOW_
 tracking.tracking_uri) says otherwise, and each run writes under `runs/<created>-<id>/`. It ends by
 printing where the results are: run directory, data version, MLflow run, evaluation, registered versions.
 Before any work both commands check the services they will use (tasks/preflight.py) and stop within
-seconds, in one line, when one does not answer; `rlhf run` also sets up the temporary server and sends
-other libraries' warnings and notices to `runs/logs/rlhf-run-*.log` (rlhf_cli/in_process.py), so a run
-that works prints its progress, a line per stage and the summary.
+seconds, in one line, when one does not answer (and `rlhf run` that a local `--data` exists);
+`rlhf run` also sets up the temporary server and sends other libraries' warnings and notices to
+`runs/logs/rlhf-run-*.log` (rlhf_cli/in_process.py), so a run that works prints its progress, a line
+per stage and the summary.
 
 `rlhf serve` serves the deployments of flows/deployments.py (pipeline, retrain, promote, human-eval)
 against the configured Prefect server (`prefect config set PREFECT_API_URL=...`, or a started
-`prefect server start`), until interrupted. Its flow runs write to its log, never to a terminal, so it
-switches the libraries' progress bars and notices off for them (rlhf_cli/quiet_libraries.py).
+`prefect server start`), until interrupted: it stops within 5 s of SIGINT or SIGTERM, also when that
+server is gone (flows/serving.py). Its flow runs write to its log, never to a terminal, so it switches the
+libraries' progress bars and notices off for them (rlhf_cli/quiet_libraries.py).
 
 Flows (and with them Prefect, MLflow and torch) are imported inside the commands, so
 `rlhf --help` stays fast.
@@ -32,18 +34,20 @@ from rlhf_cli.quiet_libraries import silence_libraries
 
 DataOption = Annotated[
     Optional[str],
-    typer.Option("--data", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
+    typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where run directories and the stage cache go.")]
+RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where run directories and the stage cache go.")]
 StageOption = Annotated[
     Optional[list[str]],
     typer.Option(
         "--stage",
-        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, ppo, evaluate, register.",
+        metavar="STAGE",
+        help="Run only this stage and those it needs (repeatable): prepare-data, sft, reward, judge-reward, ppo, "
+        "evaluate, register.",
     ),
 ]
 LimitOption = Annotated[
-    Optional[int], typer.Option("--limit", help="Most flow runs this process runs at once (default: no cap).")
+    Optional[int], typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap).")
 ]
 
 
@@ -60,7 +64,9 @@ def run(
     with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
         # Imported inside: importing the flows already makes libraries warn.
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
+        from rlhf_core.stages.prepare_data import resolve_sources
 
+        resolve_sources(data or resolved.data.source, resolved)  # a missing local input: one line, before Prefect
         settings = PipelineSettings(
             config=[str(path) for path in config or []],
             overrides=list(set_ or []),
@@ -75,7 +81,7 @@ def run(
 def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
     silence_libraries()  # before the flows import transformers; the flow-run processes inherit the switches
-    from flows.deployments import serve_deployments
+    from flows.serving import serve_deployments
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 
     check_services([*prefect_api_services(), *tracking_services(None, Path.cwd())])

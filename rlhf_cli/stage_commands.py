@@ -131,8 +131,8 @@ def judge_rm(
 
 
 def score_pairs(
-    model: Annotated[Path, typer.Option("--model", help="A train-rm output directory or its model/.")],
-    data: Annotated[str, typer.Option("--data", help="A preference file, a directory of them, or a Hub id.")],
+    model: Annotated[Path, typer.Option("--model", metavar="DIR", help="A train-rm output directory or its model/.")],
+    data: Annotated[str, typer.Option("--data", metavar="SOURCE", help="A preference file, a directory of them, or a Hub id.")],
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),

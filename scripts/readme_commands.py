@@ -16,6 +16,11 @@ that fails after `rlhf run` (issue 16) shows here first. For each document, in o
 4. prints one line per command (ok / FAILED / - for not run, seconds) and ends with status 1 if any
    failed.
 
+data/README.md starts with the fresh-clone DVC path (`rlhf data status`, a plain `dvc pull`,
+`dvc status`), then adds data, pulls it by target, and runs `dvc repro --dry prepare_data`,
+`dvc repro` and the experiments: so this script checks, in a fresh clone, that each of them exits 0
+in that order.
+
 Not run: the install and test-suite lines (the CI's job), the S3 lines with the reader's own bucket
 (tests/test_dvc_data_add.py runs them on an rclone S3 server), and infra/README.md's compose stack (it
 needs a Docker daemon). Promotion is the UI's Run button in the README; here it is the same deployment
@@ -57,8 +62,9 @@ BACKGROUND = {
     "mlflow ui": "http://127.0.0.1:5000/health",
     "MLFLOW_TRACKING_URI=sqlite:///mlflow.db mlflow models serve": "http://127.0.0.1:5001/ping",
 }
-# What a command must print besides exiting 0 (curl exits 0 on any HTTP answer).
-EXPECTED_OUTPUT = {"curl ": '"choices"'}
+# What a command must print besides exiting 0 (curl exits 0 on any HTTP answer; in a fresh clone, which
+# has no raw data, `rlhf data status` says to add some first).
+EXPECTED_OUTPUT = {"curl ": '"choices"', "rlhf data status": "`rlhf data add FILE`"}
 # Commands whose documented answer may be a refusal, and its exit status: `rlhf promote` exits 3 when the
 # gate rejects the challenger or there is nothing to roll back (`rlhf promote --help`), printing why.
 REFUSAL_STATUS = {"rlhf promote": 3}

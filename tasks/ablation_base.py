@@ -22,6 +22,7 @@ directory and content hash.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -50,6 +51,7 @@ DATA_LINEAGE = (DATA_VERSION_TAG, DATA_SOURCE_TAG, DATA_VERSION_KIND_TAG)
 COPIED_LINEAGE = (GIT_COMMIT_TAG, CONFIG_TAG, *DATA_LINEAGE, FLOW_RUN_ID_TAG)
 BASE_TAG_PREFIX = "base."
 MODEL_SUBDIR = "model"
+MLFLOW_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what MLflow names a run by (uuid4 hex)
 
 
 class BaseReference(BaseModel):
@@ -62,6 +64,26 @@ class BaseReference(BaseModel):
     sft: str | None = None
     reward: str | None = None
     judge: str | None = None
+
+    def check(self) -> None:
+        """Refuse, without asking MLflow, a reference that cannot name a complete base: no base and a
+        required input missing, a base that is neither a directory, a models:/ URI nor an MLflow run id,
+        or a given input directory that is not a complete stage output. `rlhf ablate` runs this before
+        Prefect starts, so such a mistake is one line rather than a failed flow run."""
+        if self.base is None:
+            missing = [OPTION_OF_STAGE[stage] for stage in REQUIRED_STAGES if not getattr(self, OPTION_OF_STAGE[stage])]
+            if missing:
+                raise ValueError(missing_inputs_message(None, missing))
+        elif not (Path(self.base).is_dir() or is_registry_uri(self.base) or MLFLOW_RUN_ID.fullmatch(self.base)):
+            raise ValueError(f"base {self.base!r}: not a directory, a models:/ URI or an MLflow run id")
+        for stage, option in OPTION_OF_STAGE.items():
+            directory = getattr(self, option)
+            if directory is None:
+                continue
+            if stage != JUDGE_STAGE:
+                check_stage_directory(stage, Path(directory).resolve())
+            elif not is_registry_uri(directory) and not Path(directory).is_dir():
+                raise FileNotFoundError(f"judge {directory}: no such directory (a reward model directory or models:/ URI)")
 
 
 class AblationBase(BaseModel):
@@ -147,14 +169,30 @@ def stage_directories(base: str | None, run: Run | None) -> dict[str, str]:
     return found
 
 
+def check_stage_directory(stage: str, out_dir: Path) -> None:
+    """Refuse a directory that is not a complete output of `stage` (with its model/ for a training stage)."""
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"the base's {stage} output {out_dir}: no such directory")
+    if not (out_dir / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"the base's {stage} output {out_dir} is not a complete stage output (no {COMPLETE_MARKER})")
+    if stage != "prepare-data" and not (out_dir / MODEL_SUBDIR).is_dir():
+        raise FileNotFoundError(f"the base's {stage} output {out_dir} has no {MODEL_SUBDIR}/ directory")
+
+
+def missing_inputs_message(base: str | None, missing: list[str]) -> str:
+    """Why a base lacks the inputs named `missing` (option names), and the two ways to give them."""
+    where = f"base {base!r} names" if base else "no base given, and"
+    return (
+        f"{where} no {', '.join(missing)} output: pass a pipeline run (--base: its directory, MLflow run id or a "
+        f"policy's models:/ URI) or each input ({', '.join(f'--{name} DIR' for name in missing)})"
+    )
+
+
 def stage_output(stage: str, directory: str, run: Run | None) -> StageOutput:
     """A finished stage's output directory as the StageOutput the pipeline made of it."""
     out_dir = Path(directory).resolve()
-    if not (out_dir / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(f"the base's {stage} output {out_dir} is not a complete stage output (no {COMPLETE_MARKER})")
+    check_stage_directory(stage, out_dir)
     model_dir = None if stage == "prepare-data" else out_dir / MODEL_SUBDIR
-    if model_dir is not None and not model_dir.is_dir():
-        raise FileNotFoundError(f"the base's {stage} output {out_dir} has no {MODEL_SUBDIR}/ directory")
     run_id = run.data.tags.get(f"stage.{stage}.run_id") if run is not None else None
     return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir, mlflow_run_id=run_id)
 
@@ -163,16 +201,13 @@ def resolve_base(
     reference: BaseReference, tracking_uri: str, experiment: str, reward_model_name: str, registry_cache: Path
 ) -> AblationBase:
     """The base `reference` names, every required input found and complete; see the module docstring."""
+    reference.check()
     run = find_pipeline_run(MlflowClient(tracking_uri), experiment, reference.base)
     located = stage_directories(reference.base, run)
     located |= {stage: value for stage, option in OPTION_OF_STAGE.items() if (value := getattr(reference, option))}
     missing = [OPTION_OF_STAGE[stage] for stage in REQUIRED_STAGES if stage not in located]
     if missing:
-        where = f"base {reference.base!r} names" if reference.base else "no base given, and"
-        raise ValueError(
-            f"{where} no {', '.join(missing)} output: pass a pipeline run (base: its directory, MLflow run id or a "
-            f"policy's models:/ URI) or each input ({', '.join(f'--{name} DIR' for name in missing)})"
-        )
+        raise ValueError(missing_inputs_message(reference.base, missing))
     outputs = {stage: stage_output(stage, located[stage], run) for stage in REQUIRED_STAGES}
     judge = located.get(JUDGE_STAGE)
     return AblationBase(

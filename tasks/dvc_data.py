@@ -91,5 +91,26 @@ def workspace_matches(target: Path) -> bool:
     return not status
 
 
+def raw_data_status(raw_dir: Path) -> str:
+    """One line on the raw data and what to do first: none yet in this commit (`rlhf data add FILE`),
+    recorded but not pulled (`dvc pull`), edited since its version, or ready for `dvc repro`. A fresh
+    clone is in one of the first two states, where `dvc repro` has no data to run on."""
+    tracked = dvc_file(raw_dir)
+    if not tracked.is_file():
+        return (
+            f"no raw data yet: this commit has no {tracked}; add a preference file with `rlhf data add FILE` "
+            "(data/README.md), then `dvc repro` prepares it and trains on it"
+        )
+    version = data_version(raw_dir)
+    if not Path(raw_dir).is_dir():
+        return f"{raw_dir} is not pulled: run `dvc pull {tracked}` (data version {version})"
+    if not workspace_matches(raw_dir):
+        return (
+            f"{raw_dir} differs from the version {tracked} records ({version}): `dvc pull {tracked}` restores "
+            f"it, `dvc add {raw_dir}` makes the edits a version"
+        )
+    return f"{raw_dir} is data version {version}, as {tracked} records: `dvc repro` prepares it and trains on it"
+
+
 def _remote_args(remote: str | None) -> list[str]:
     return [] if remote is None else ["--remote", remote]

@@ -267,16 +267,15 @@ def length_controlled_summary(report: EvaluationReport) -> str:
 
 
 def evaluation_summary(output: StageOutput) -> list[str]:
-    """The lines `rlhf run` ends with: who judged, the length-controlled headline, the rates, win minus loss
-    and the judge's mean score difference with their intervals, where to look."""
+    """The lines `rlhf run` ends with: who judged (the judge's role, worded as in report.md), the
+    length-controlled headline, the rates, win minus loss and the judge's mean score difference with their
+    intervals, where to look."""
     report = read_report(output)
     overall = report.overall
-    judge = "reward model" if report.judge.kind == "rm" else f"LLM ({report.judge.name})"
-    in_sample = ", IN-SAMPLE: the reward model PPO optimised against" if report.judge.in_sample else ""
     margin = overall.win_minus_loss
     interval = "n/a" if margin is None else f"{margin.rate:+.1%} (95% CI {margin.low:+.1%} to {margin.high:+.1%})"
     return [
-        f"evaluation: {report.model_a} (A) vs {report.model_b} (B), judged by the {judge}{in_sample}",
+        f"evaluation: {report.model_a} (A) vs {report.model_b} (B), judged by {report.judge.role}",
         length_controlled_summary(report),
         (
             f"  {overall.valid} valid pairs of {overall.pairs}: A wins {_percent(overall.win)}, ties "

@@ -100,6 +100,23 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(write(tmp_path, "- a\n- b\n"))
 
 
+def test_a_directory_given_as_a_config_file_is_called_a_directory() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overlays=[ROOT / "configs"])
+    message = str(err.value)
+    assert "configs is a directory, not a config file" in message and "not found" not in message
+    assert f"{ROOT / 'configs' / 'tiny.yaml'}" in message  # the YAML files there, to pick one from
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_non_finite_number_is_refused_as_such(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=[f"sft.lr={value}", f"ppo.clip_eps={value}", f"evaluation.tie_margin={value}"])
+    for key in ("sft.lr", "ppo.clip_eps", "evaluation.tie_margin"):
+        assert f"{key}: Input should be a finite number" in str(err.value)
+    assert "less than" not in str(err.value) and "greater than" not in str(err.value)
+
+
 @pytest.mark.parametrize("preset", sorted(PPO_PRESETS))
 def test_preset_fills_unset_switches(preset: str) -> None:
     config = load_config(PARAMS, overrides=[f"ppo.preset={preset}"])

@@ -83,7 +83,7 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
         "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6", "--out", str(out),
     )
     assert status == 0, stderr
-    assert "**Judge:** reward model" in stdout and "In-sample judge" in stdout
+    assert "**Judge:** the in-sample reward model (IN-SAMPLE" in stdout and "In-sample judge" in stdout
     assert f"chart in {out / 'plots' / 'win_rate.png'}" in stdout
 
     files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}

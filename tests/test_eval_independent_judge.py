@@ -205,6 +205,8 @@ def test_the_pipeline_judges_with_the_independent_reward_model_only_when_asked(
     assert INDEPENDENT in report["judge"]["description"]
     report_md = (independent.outputs["evaluate"].out_dir / "report.md").read_text()
     assert INDEPENDENT in report_md and "In-sample judge" not in report_md
+    assert "**Judge:** the independent judge reward model: " in report_md
+    assert ", judged by the independent judge reward model\n" in independent.summary()
     assert independent.outputs["evaluate"].metrics["judge_in_sample"] == 0.0
     (policy,) = [version for version in independent.registered if version.name == "rlhf-policy"]
     tags = mlflow_store.get_model_version("rlhf-policy", policy.version).tags
@@ -236,3 +238,4 @@ def test_the_pipeline_judges_with_the_independent_reward_model_only_when_asked(
     report = json.loads((in_sample.outputs["evaluate"].out_dir / "report.json").read_text())
     assert report["judge"]["in_sample"] is True
     assert report["judge"]["name"] == f"reward model {in_sample.outputs['reward'].out_dir}"
+    assert ", judged by the in-sample reward model (IN-SAMPLE" in in_sample.summary()

@@ -31,7 +31,13 @@ from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 
 A, B, TIE, INVALID = Verdict.A, Verdict.B, Verdict.TIE, Verdict.INVALID
 GENERATION = GenerationConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
-RM_JUDGE = JudgeInfo(kind="rm", name="reward model rm-dir", description="reward model rm-dir (IN-SAMPLE)", in_sample=True)
+RM_JUDGE = JudgeInfo(
+    kind="rm",
+    name="reward model rm-dir",
+    role="the in-sample reward model",
+    description="reward model rm-dir (IN-SAMPLE)",
+    in_sample=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +192,7 @@ def test_metrics_markdown_and_chart(tmp_path: Path) -> None:
     json.dumps(metrics, allow_nan=False)
 
     markdown = render_markdown(report)
-    assert "**Judge:** reward model rm-dir (IN-SAMPLE)" in markdown
+    assert "**Judge:** the in-sample reward model: reward model rm-dir (IN-SAMPLE)" in markdown
     assert "In-sample judge" in markdown
     assert "| all | 12 | 66.7% (" in markdown and "+20.0%" in markdown  # alignment tax relative change
     assert "similar length (within 20%)" in markdown

@@ -244,7 +244,7 @@ def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tra
                 key=ArtifactFilterKey(any_=[REPORT_ARTIFACT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])
             )
         )
-    assert len(artifacts) == 1 and "**Judge:** people" in str(artifacts[0].data)
+    assert len(artifacts) == 1 and "**Judge:** people (human evaluation): people" in str(artifacts[0].data)
 
     mlflow_client = MlflowClient(tracking_uri)
     [run] = mlflow_client.search_runs(

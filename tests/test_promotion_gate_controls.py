@@ -94,7 +94,7 @@ class RuleJudge:
         return self.tokenizer(reply, add_special_tokens=False)["input_ids"]
 
     def info(self) -> JudgeInfo:
-        return JudgeInfo(kind="rule", name=self.name, description=f"rule judge: {self.name}")
+        return JudgeInfo(kind="rule", name=self.name, role=f"the rule judge {self.name}", description=f"rule judge: {self.name}")
 
 
 def brevity_judge(tokenizer: PreTrainedTokenizerBase) -> RuleJudge:

@@ -110,7 +110,7 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
     assert (pipeline.data.kind, pipeline.data.version) == ("dvc", data_version(Path("data/raw").resolve()))
     evaluation = pipeline.outputs["evaluate"]
     (judged,) = [line for line in pipeline.summary().splitlines() if line.startswith("evaluation:")]
-    assert judged.startswith("evaluation: PPO policy (A) vs SFT model (B), judged by the reward model")
+    assert judged.startswith("evaluation: PPO policy (A) vs SFT model (B), judged by the independent judge reward model")
     assert "IN-SAMPLE" not in judged  # the independent judge reward model, the default
 
     client = MlflowClient(project)

@@ -10,9 +10,11 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are frozen after validation."""
+    """Base of every config section: unknown keys are errors, values are frozen after validation, and a
+    number must be finite (`-s sft.lr=.nan` is refused as not a finite number rather than compared with
+    the field's bounds, which every NaN fails with a misleading "less than" message)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def check_ratio_band(low: float | None, high: float | None, low_key: str, high_key: str) -> None:

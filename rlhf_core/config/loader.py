@@ -80,6 +80,10 @@ def _load_yaml(text: str, source: str) -> Any:
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping (an empty file is an empty mapping)."""
+    if path.is_dir():
+        yaml_files = sorted(str(child) for child in path.glob("*.yaml"))
+        example = f" (here: {', '.join(yaml_files[:3])}{', ...' if len(yaml_files) > 3 else ''})" if yaml_files else ""
+        raise ConfigError(f"{path} is a directory, not a config file: name one YAML file{example}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

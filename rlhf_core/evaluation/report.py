@@ -150,6 +150,7 @@ class JudgeSummary(BaseModel):
 
     kind: str
     name: str
+    role: str
     description: str
     in_sample: bool
     figures: dict[str, float]
@@ -396,6 +397,7 @@ def build_report(
         judge=JudgeSummary(
             kind=judge.kind,
             name=judge.name,
+            role=judge.role,
             description=judge.description,
             in_sample=judge.in_sample,
             figures=judge_figures(judge, pairs),

@@ -146,7 +146,7 @@ def render_markdown(report: EvaluationReport) -> str:
     lines = [
         f"# Evaluation: {report.model_a} (A) vs {report.model_b} (B)",
         "",
-        f"**Judge:** {report.judge.description}.",
+        f"**Judge:** {report.judge.role}: {report.judge.description}.",
     ]
     if report.judge.in_sample:
         lines += [

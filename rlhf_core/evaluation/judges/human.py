@@ -285,6 +285,7 @@ class HumanSession:
         return JudgeInfo(
             kind=JUDGE_KIND,
             name=JUDGE_NAME,
+            role="people (human evaluation)",
             description=(
                 f"people, in the Prefect UI (rlhf-human-eval flow): {len(answers)} answered pairs, each shown "
                 "with its two replies in a random order (recorded and undone when scoring)"

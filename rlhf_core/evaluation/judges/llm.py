@@ -306,6 +306,7 @@ class LlmJudge:
         return JudgeInfo(
             kind="llm",
             name=f"LLM {self.endpoint.model}",
+            role=f"the LLM judge {self.endpoint.model}",
             description=(
                 f"LLM judge {self.endpoint.model} at {self.endpoint.base_url} (judging prompt "
                 f"{JUDGE_PROMPT_VERSION}; each pair judged in both orders, an order-dependent verdict is a tie)"

@@ -147,7 +147,19 @@ class RewardModelJudge:
         return JudgeInfo(
             kind="rm",
             name=f"reward model {self.source}",
+            role=reward_model_role(self.in_sample, self.training_data),
             description=f"reward model {self.source} (tie margin {self.tie_margin:g}; {sample})",
             in_sample=self.in_sample,
             figures={"pairs_judged": float(self._pairs_judged), "tie_margin": self.tie_margin},
         )
+
+
+def reward_model_role(in_sample: bool, training_data: RewardTrainingData | None) -> str:
+    """Which reward model judged, as the run summary and report.md say it: the in-sample one (PPO's own,
+    biased), the independent judge (the judge-rm stage's, trained on the PPO-prompt split), or another
+    reward model that is not PPO's own (e.g. another run's)."""
+    if in_sample:
+        return "the in-sample reward model (IN-SAMPLE: the one PPO optimised against)"
+    if training_data is not None and training_data.train_split == "ppo_pairs":
+        return "the independent judge reward model"
+    return "a reward model other than the one PPO optimised against"

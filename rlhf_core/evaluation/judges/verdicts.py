@@ -72,8 +72,10 @@ class Judgement:
 
 @dataclass(frozen=True)
 class JudgeInfo:
-    """Who judged, for the report: kind ("rm" or "llm"), a short name (chart titles, verdicts.jsonl,
-    agreement tables), a one-line description, and usage figures.
+    """Who judged, for the report: kind ("rm", "llm" or "human"), a short name (chart titles,
+    verdicts.jsonl, agreement tables), the role (which judge this was, e.g. "the independent judge reward
+    model": the one wording report.md and the run summary both use), a one-line description, and usage
+    figures.
 
     `in_sample` is True when the judge is the reward model PPO optimised against: the policy was trained
     to please exactly this judge, so its verdicts overstate the policy's real quality.
@@ -81,6 +83,7 @@ class JudgeInfo:
 
     kind: str
     name: str
+    role: str
     description: str
     in_sample: bool = False
     figures: dict[str, float] = field(default_factory=dict)
