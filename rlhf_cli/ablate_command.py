@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
 
 GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
@@ -35,7 +35,6 @@ InputOption = Annotated[Optional[str], typer.Option(metavar="DIR", help="This in
 JudgeOption = Annotated[
     Optional[str], typer.Option("--judge", metavar="MODEL", help="Judge reward model instead of the base's (directory or models:/ URI).")
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where the ablation's directory and the stage cache go.")]
 RemoteStoreOption = Annotated[
     Optional[str],
     typer.Option("--remote-store", metavar="S3_PREFIX", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),

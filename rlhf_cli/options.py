@@ -39,6 +39,9 @@ RestartOption = Annotated[
         "(needed when they were made with other settings or inputs).",
     ),
 ]
+RunsDirOption = Annotated[
+    Path, typer.Option("--runs-dir", metavar="DIR", help="Where run directories and the stage cache go.")
+]
 
 
 def resolve_config(params: Path, config: list[Path] | None, overrides: list[str] | None) -> Config:

@@ -21,7 +21,7 @@ import typer
 from pydantic import ValidationError
 
 from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
 
 # 1 is an error (rlhf_cli/main.py) and 2 a usage error (typer), so a refusal has a status of its own.
 REFUSED_EXIT_CODE = 3
@@ -30,12 +30,11 @@ OverrideOption = Annotated[
     bool, typer.Option("--override", help="Promote the challenger even if it fails the gate (needs --reason).")
 ]
 ReasonOption = Annotated[
-    str, typer.Option("--reason", help="Why: required with --override; recorded on the model version.")
+    str, typer.Option("--reason", metavar="TEXT", help="Why: required with --override; recorded on the model version.")
 ]
 RollbackOption = Annotated[
     bool, typer.Option("--rollback", help="Move champion back to the version the current champion replaced.")
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", help="Where the run directory and the stage cache go.")]
 
 
 def promote(

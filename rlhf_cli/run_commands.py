@@ -29,14 +29,13 @@ from typing import Annotated, Optional
 import typer
 
 from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
 from rlhf_cli.quiet_libraries import silence_libraries
 
 DataOption = Annotated[
     Optional[str],
     typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
 ]
-RunsDirOption = Annotated[Path, typer.Option("--runs-dir", metavar="DIR", help="Where run directories and the stage cache go.")]
 StageOption = Annotated[
     Optional[list[str]],
     typer.Option(
