@@ -8,7 +8,8 @@ A model (`--a`, `--b`, `--rm-dir`) is a stage output or model directory, or an M
 tracking.tracking_uri) names, downloaded once into the model cache, `$RLHF_CACHE_DIR/registry/`
 (default ~/.cache/rlhf-pipeline/registry/; tasks/evaluation.py), not into the working tree.
 Models A and B that are the same model by content (the sha256 of their model files, as registered) are
-refused: every pair would be a tie. `--allow-same` evaluates them anyway, with a warning.
+refused (exit status 3, rlhf_cli/exit_codes.py): every pair would be a tie. `--allow-same` evaluates
+them anyway, with a warning.
 When a model is a `models:/` URI (model A's, else B's) and `--data-dir` or, for the reward-model judge,
 `--rm-dir` is not given, they come from that version's lineage tags (tasks/eval_lineage.py): the
 prepared data it was trained on and the judge reward model registered with it; the command prints
@@ -30,6 +31,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config
 from rlhf_core.config import Config
 
@@ -78,7 +80,8 @@ def check_not_same(sha256_a: str, sha256_b: str, allow_same: bool) -> None:
         return
     message = SAME_MODEL.format(sha256_a[:12])
     if not allow_same:
-        raise typer.BadParameter(f"{message}; pass --allow-same to evaluate anyway", param_hint="--a/--b")
+        typer.echo(f"refused: {message}; pass --allow-same to evaluate anyway", err=True)
+        raise typer.Exit(REFUSED_EXIT_CODE)
     typer.echo(f"warning: {message}; evaluating anyway (--allow-same)", err=True)
 
 
@@ -147,7 +150,10 @@ def eval_command(
     params: ParamsOption = Path("params.yaml"),
     out: OutOption = None,
 ) -> None:
-    """Compare model A with model B on the held-out prompts: win/tie/lose report and Figure 10 chart."""
+    """Compare model A with model B on the held-out prompts: win/tie/lose report and Figure 10 chart.
+
+    Exit status 3: refused, A and B are the same model by content (--allow-same evaluates them anyway).
+    """
     from rlhf_core.stages.evaluate import HUMAN_JUDGE_MESSAGE, JUDGES, PLOT_FILE, REPORT_MD, run_evaluate
 
     resolved = resolve_config(params, config, set_)

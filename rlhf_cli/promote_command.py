@@ -20,11 +20,10 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.in_process import in_process_flow
 from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
 
-# 1 is an error (rlhf_cli/main.py) and 2 a usage error (typer), so a refusal has a status of its own.
-REFUSED_EXIT_CODE = 3
 
 OverrideOption = Annotated[
     bool, typer.Option("--override", help="Promote the challenger even if it fails the gate (needs --reason).")

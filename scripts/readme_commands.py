@@ -65,9 +65,10 @@ BACKGROUND = {
 # What a command must print besides exiting 0 (curl exits 0 on any HTTP answer; in a fresh clone, which
 # has no raw data, `rlhf data status` says to add some first).
 EXPECTED_OUTPUT = {"curl ": '"choices"', "rlhf data status": "`rlhf data add FILE`"}
-# Commands whose documented answer may be a refusal, and its exit status: `rlhf promote` exits 3 when the
-# gate rejects the challenger or there is nothing to roll back (`rlhf promote --help`), printing why.
-REFUSAL_STATUS = {"rlhf promote": 3}
+# Commands whose documented answer may be a refusal, and its exit status (rlhf_cli/exit_codes.py):
+# `rlhf promote` exits 3 when the gate rejects the challenger or there is nothing to roll back; `rlhf eval`
+# of the challenger against the champion exits 3 here, since after the first promotion both are one model.
+REFUSAL_STATUS = {"rlhf promote": 3, "rlhf eval --a models:/rlhf-policy@challenger --b models:/rlhf-policy@champion": 3}
 NEEDS_CHAMPION = "@champion"  # there is a champion only after the first promotion (the UI's Run of rlhf-promote)
 DOCS = ("README.md", "data/README.md")
 # Rows of the example files. data/README.md's new-pairs.jsonl is the whole raw data its `dvc repro`

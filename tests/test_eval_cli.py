@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from fixtures.library_output import library_output, without_quiet_switches
 
+from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
 from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
 from rlhf_core.config import load_config
@@ -208,7 +209,7 @@ def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, input
     status, _, stderr = rlhf(
         "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"] / "model"), *common, "--out", str(out)
     )
-    assert status == 2
+    assert status == REFUSED_EXIT_CODE
     assert "model A and model B are the same model" in stderr and "--allow-same" in stderr
     assert not out.exists()
 
@@ -318,7 +319,7 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
         "eval", "--a", "models:/eval-policy@challenger", "--b", str(inputs["ppo"]), "--rm-dir", str(judge_dir),
         "--data-dir", str(inputs["data"]), *common, "--out", str(tmp_path / "same"),
     )
-    assert status == 2 and "model A and model B are the same model" in stderr
+    assert status == REFUSED_EXIT_CODE and "model A and model B are the same model" in stderr
 
     # A version without a registered judge: one line naming the ways to give one, before any work.
     status, _, stderr = rlhf(

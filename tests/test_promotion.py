@@ -50,7 +50,7 @@ import rlhf_core.stages.evaluate as evaluate_stage
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from flows.promote import rlhf_promote
 from rlhf_cli.main import main
-from rlhf_cli.promote_command import REFUSED_EXIT_CODE
+from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_core.config import Config, load_config
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.reward.training_data import training_data_record, write_training_data
