@@ -353,7 +353,7 @@ def test_worker_image_is_cuda_with_the_project_and_cuda_torch_installed(
     runs = instruction_arguments(worker_dockerfile, "RUN")
     assert any("download.pytorch.org/whl/${TORCH_CUDA}" in run and "torch==" in run for run in runs)
     assert build_args["TORCH_CUDA"].startswith("cu")
-    assert "pip install -e ." in runs
+    assert "pip install -e . -c constraints.txt" in runs
 
 
 def test_worker_image_copies_only_existing_files_and_keeps_the_project_in_its_context(

@@ -222,7 +222,8 @@ def test_two_rlhf_eval_runs_into_one_out_dir_cannot_mix_their_outputs(
 
     def rlhf_eval(max_prompts: int) -> subprocess.Popen[str]:
         return rlhf(
-            "eval", "-c", TINY, "-s", f"evaluation.max_prompts={max_prompts}", "--a", sft_dir, "--b", sft_dir,
+            "eval", "-c", TINY, "-s", f"evaluation.max_prompts={max_prompts}",
+            "--a", sft_dir, "--b", sft_dir, "--allow-same",
             "--rm-dir", rm_dir, "--data-dir", data_dir, "--out", out,
         )
 
