@@ -36,14 +36,15 @@ from workload import SYNTHETIC, benchmark_prompts
 from rlhf_core.config import RolloutConfig, load_config
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_prompt
-from rlhf_core.ppo.lean_engine import LeanEngine
-from rlhf_core.ppo.rollout import left_pad, response_logprobs, sampling_config
-from rlhf_core.ppo.rollout_engine import (
+from rlhf_core.ppo.scoring import response_logprobs
+from rlhf_core.rollout.engine import (
     Generation,
     HFGenerateEngine,
     RolloutEngine,
     SamplingParams,
 )
+from rlhf_core.rollout.generation import left_pad, sampling_config
+from rlhf_core.rollout.lean_engine import LeanEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {  # name: (ppo.rollout.engine, dtype, sampler, kernel)

@@ -22,8 +22,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data.records import Message
 from rlhf_core.models.chat import encode_prompt
-from rlhf_core.ppo.rollout import generate_responses, left_pad, stop_token_ids
 from rlhf_core.progress import progress
+from rlhf_core.rollout.generation import generate_responses, left_pad, stop_token_ids
 
 
 @dataclass(frozen=True)
