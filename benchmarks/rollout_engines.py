@@ -11,7 +11,7 @@ sampler and C kernel), `lean-onednn` (the same with `ppo.rollout.kernel: onednn`
 bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
 the share of the bound's speed reached (generation_bounds.py), whether its tokens equal `hf`'s, and its
 log-probs of the tokens it sampled against the float32 scoring pass the trainer uses
-(`rollout.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
+(`ppo.scoring.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
 estimates KL(engine || float32 policy) per token, the size of the off-policy error. For `hf` the
 log-probs come from `generate`'s own scores.
 """
