@@ -27,7 +27,6 @@ directory of the process running the flow (`rlhf run`, or `rlhf serve` started i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -37,6 +36,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.stage_clock import StageClock
 from rlhf_core.config import Config, load_config
 from tasks.caching import with_cache_dir
 from tasks.data_source import DataSource, resolve_data_source, with_data_source
@@ -128,6 +128,7 @@ class PipelineResult(BaseModel):
     mlflow_run_url: str | None
     outputs: dict[str, StageOutput]
     registered: list[RegisteredVersion]
+    stage_minutes: dict[str, float] = Field(default_factory=dict, description="Wall-clock minutes per stage.")
 
     def summary(self) -> str:
         """The lines `rlhf run` ends with."""
@@ -140,8 +141,10 @@ class PipelineResult(BaseModel):
         if self.tracking_uri.startswith("sqlite:"):
             lines.append(f"  browse it with: mlflow ui --backend-store-uri {self.tracking_uri}")
         for stage, output in self.outputs.items():
-            reused = "" if output.out_dir.parent == self.run_dir else " (cache hit: an earlier run's output)"
-            lines.append(f"stage {stage}: {output.out_dir}{reused}")
+            reused = "" if output.out_dir.parent == self.run_dir else ", cache hit: an earlier run's output"
+            lines.append(f"stage {stage}: {output.out_dir} ({self.stage_minutes.get(stage, 0.0):.1f} min{reused})")
+        if self.stage_minutes:
+            lines.append(f"stages took {sum(self.stage_minutes.values()):.1f} min in all")
         for version in self.registered:
             alias = f", alias {version.alias}" if version.alias else ""
             reused = " (unchanged model: existing version)" if version.reused else ""
@@ -185,16 +188,6 @@ def stages_in_order(selected: set[Stage], config: Config) -> list[Stage]:
     ]
 
 
-def stage_announcer(order: list[Stage]) -> Callable[[Stage], None]:
-    """A function logging `stage <n>/<of>: <name>` to the flow run's log as each stage of `order` starts."""
-    logger = get_run_logger()
-
-    def started(stage: Stage) -> None:
-        logger.info("stage %d/%d: %s", order.index(stage) + 1, len(order), stage.value)
-
-    return started
-
-
 def run_stages(
     config: Config,
     source: DataSource,
@@ -203,28 +196,28 @@ def run_stages(
     cache_dir: Path,
     lineage: dict[str, str],
     remote: RemoteStages,
+    clock: StageClock,
 ) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
     """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere.
-    Each says that it starts (`stage 2/7: sft`), so `rlhf run` and the flow run's log show where the run is."""
+    `clock` announces each stage as it starts and times it (flows/stage_clock.py)."""
     outputs: dict[str, StageOutput] = {}
     registered: list[RegisteredVersion] = []
-    started = stage_announcer(stages_in_order(selected, config))
     if Stage.PREPARE_DATA in selected:
-        started(Stage.PREPARE_DATA)
+        clock.start(Stage.PREPARE_DATA.value)
         outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
     if Stage.SFT in selected:
-        started(Stage.SFT)
+        clock.start(Stage.SFT.value)
         outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
     if Stage.REWARD in selected:
-        started(Stage.REWARD)
+        clock.start(Stage.REWARD.value)
         outputs["reward"] = run_training_stage(
             reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
         )
     if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
-        started(Stage.JUDGE_REWARD)
+        clock.start(Stage.JUDGE_REWARD.value)
         outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
     if Stage.PPO in selected:
-        started(Stage.PPO)
+        clock.start(Stage.PPO.value)
         outputs["ppo"] = run_training_stage(
             ppo_task,
             config,
@@ -235,7 +228,7 @@ def run_stages(
             reward_output=outputs["reward"],
         )
     if Stage.EVALUATE in selected:
-        started(Stage.EVALUATE)
+        clock.start(Stage.EVALUATE.value)
         outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
             config,
             outputs["prepare-data"],
@@ -246,7 +239,7 @@ def run_stages(
             names=("PPO policy", "SFT model"),
         )
     if Stage.REGISTER in selected:
-        started(Stage.REGISTER)
+        clock.start(Stage.REGISTER.value)
         lineage_stages = ("prepare-data", "sft", "judge-reward")
         made_from = lineage_output_tags({stage: outputs[stage] for stage in lineage_stages if stage in outputs})
         registered = register_task(
@@ -258,12 +251,16 @@ def run_stages(
             context,
             judge_output=outputs.get("judge-reward"),
         )
+    clock.stop()
     return outputs, registered
 
 
-def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput]) -> None:
-    """Tag the parent run with each stage's output hash and MLflow run (an earlier run's when cached)."""
+def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float]) -> None:
+    """Tag the parent run with each stage's output hash and MLflow run (an earlier run's when cached), and
+    log each stage's wall-clock minutes (`minutes.<stage>`) and their sum (`minutes.total`)."""
     client = tracking.client()
+    for stage, value in {**minutes, "total": sum(minutes.values())}.items():
+        client.log_metric(tracking.parent_run_id, f"minutes.{stage}", value)
     for stage, output in outputs.items():
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.sha256", output.sha256)
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.run_id", str(output.mlflow_run_id))
@@ -299,10 +296,12 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
     )
     try:
         settings.remote.check_tracking(tracking.tracking_uri)
+        selected = stages_to_run(settings.stages)
+        clock = StageClock([stage.value for stage in stages_in_order(selected, config)], logger)
         outputs, registered = run_stages(
-            config, source, stages_to_run(settings.stages), context, context.cache_dir, lineage, settings.remote
+            config, source, selected, context, context.cache_dir, lineage, settings.remote, clock
         )
-        record_stage_runs(tracking, outputs)
+        record_stage_runs(tracking, outputs, clock.minutes)
     except BaseException as error:
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
@@ -316,6 +315,7 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         mlflow_run_url=tracking.parent_run_url(),
         outputs=outputs,
         registered=registered,
+        stage_minutes=clock.minutes,
     )
     # The summary as an artifact, not a log line: `rlhf run` prints it once itself, and the UI shows it.
     create_markdown_artifact(markdown=result.markdown(), key="pipeline-summary", description="Where the run put it all")

@@ -176,6 +176,12 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
     assert flow_run_messages(state.state_details.flow_run_id) >= {"stage 1/2: prepare-data", "stage 2/2: sft"}
 
     parent = project.get_run(result.mlflow_run_id)
+    assert set(result.stage_minutes) == {"prepare-data", "sft"} and min(result.stage_minutes.values()) > 0
+    minutes = {key: value for key, value in parent.data.metrics.items() if key.startswith("minutes.")}
+    assert minutes == pytest.approx({"minutes.prepare-data": result.stage_minutes["prepare-data"],
+                                     "minutes.sft": result.stage_minutes["sft"],
+                                     "minutes.total": sum(result.stage_minutes.values())})
+    assert f"stage sft: {result.outputs['sft'].out_dir} ({result.stage_minutes['sft']:.1f} min)" in result.summary()
     assert parent.data.params["data.source"] == str(data)  # not params.yaml's Anthropic/hh-rlhf
     assert parent.data.tags[DATA_SOURCE_TAG] == str(data)
     prepare, sft = (project.get_run(result.outputs[stage].mlflow_run_id) for stage in ("prepare-data", "sft"))
