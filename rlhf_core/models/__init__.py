@@ -1,2 +1,1 @@
-"""Models: loading, the packaged SmolLM2, the tiny test model, chat formatting, scalar heads, LoRA, which
-parameters train (`freezing`), saving."""
+"""Models: loading, the packaged SmolLM2, the tiny test model, chat formatting, scalar heads, saving."""
