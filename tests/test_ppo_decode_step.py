@@ -79,3 +79,23 @@ def test_the_c_step_computes_what_the_pytorch_decoder_does(
 def test_only_the_blocked_layout_decodes_in_c(tokenizer: PreTrainedTokenizerBase) -> None:
     model = build_tiny_model(tokenizer, seed=5)
     assert not usable(DecoderWeights(model, torch.float32, rows=2, kernel="onednn"))
+
+
+def test_the_c_step_writes_float32_buffers_whatever_the_default_dtype(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Its workspace and logits are float32 also under a float64 default (the PPO reference tests' setting):
+    buffers of the default dtype let the kernel write float32 into float64 memory (garbage, at times NaN)."""
+    model = build_tiny_model(tokenizer, seed=5)
+    weights = DecoderWeights(model, torch.float32, rows=1)
+    prompt = left_pad([encode_prompt(tokenizer, [{"role": "user", "content": "Hi"}])], tokenizer.pad_token_id)
+    width = prompt[0].shape[1]
+    reference = prepared(weights, prompt, 1)
+    fused = prepared(weights, prompt, 1)
+    tokens = torch.tensor([7])
+    expected = next_token_logits(weights, tokens[:, None], reference[0], width, reference[1], reference[2])
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = DecodeStep(weights, *fused[:3]).logits(tokens, width)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)

@@ -96,18 +96,21 @@ class DecodeStep:
             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), weights.norm.data_ptr(), _linear(weights.lm_head),
         )  # fmt: skip
         batch, length = cache.keys.shape[1], cache.keys.shape[3]
-        # every tensor the C side points into, kept alive here
+        # every tensor the C side points into, kept alive here; the kernel writes float32, whatever
+        # torch's default dtype (a float64 default gave it buffers of another type to write into)
         self._tensors: dict[str, Tensor | None] = {
             "cos": positions.cos.contiguous(),
             "sin": positions.sin.contiguous(),
             "key_mask": positions.key_mask.contiguous() if positions.key_mask is not None else None,
-            "normed": torch.empty(batch, hidden),
-            "qkv": torch.empty(batch, first.qkv.weight.shape[0] * BLOCK),
-            "attended": torch.empty(batch, weights.num_heads * weights.head_dim),
-            "projected": torch.empty(batch, max(first.o.weight.shape[0], first.down.weight.shape[0]) * BLOCK),
-            "gate_up": torch.empty(batch, first.gate_up.weight.shape[0] * BLOCK),
-            "activated": torch.empty(batch, intermediate),
-            "scores": torch.empty(weights.num_heads // weights.num_kv_heads, length),
+            "normed": torch.empty(batch, hidden, dtype=torch.float32),
+            "qkv": torch.empty(batch, first.qkv.weight.shape[0] * BLOCK, dtype=torch.float32),
+            "attended": torch.empty(batch, weights.num_heads * weights.head_dim, dtype=torch.float32),
+            "projected": torch.empty(
+                batch, max(first.o.weight.shape[0], first.down.weight.shape[0]) * BLOCK, dtype=torch.float32
+            ),
+            "gate_up": torch.empty(batch, first.gate_up.weight.shape[0] * BLOCK, dtype=torch.float32),
+            "activated": torch.empty(batch, intermediate, dtype=torch.float32),
+            "scores": torch.empty(weights.num_heads // weights.num_kv_heads, length, dtype=torch.float32),
         }
         self._rollout = _Rollout(
             batch=batch, length=length, keys=cache.keys.data_ptr(), values=cache.values.data_ptr(),
@@ -119,7 +122,7 @@ class DecodeStep:
     def logits(self, tokens: Tensor, column: int) -> Tensor:
         """Float32 logits ``[B, vocab]`` after the tokens ``[B]`` at cache column `column` (written to the cache)."""
         head = self.weights.lm_head
-        logits = torch.empty(tokens.shape[0], head.weight.shape[0] * BLOCK)
+        logits = torch.empty(tokens.shape[0], head.weight.shape[0] * BLOCK, dtype=torch.float32)
         self._run(tokens, column, len(self.weights.blocks), logits)
         return logits[:, : head.out_features]
 
