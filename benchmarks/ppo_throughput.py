@@ -63,8 +63,9 @@ from rlhf_core.models.base import DTYPES, base_model_location, load_base_model, 
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.experience_maker import PPOModels
-from rlhf_core.ppo.rollout import RewardModelScorer, left_pad
+from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+from rlhf_core.rollout.generation import left_pad
 from rlhf_core.training.host_allocator import keep_freed_memory, tuned_environment
 from rlhf_core.training.loop import seed_everything
 

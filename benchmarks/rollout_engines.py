@@ -11,7 +11,7 @@ sampler and C kernel), `lean-onednn` (the same with `ppo.rollout.kernel: onednn`
 bfloat16`). Reported per engine: median seconds per rollout, replies/s, tokens/s,
 the share of the bound's speed reached (generation_bounds.py), whether its tokens equal `hf`'s, and its
 log-probs of the tokens it sampled against the float32 scoring pass the trainer uses
-(`rollout.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
+(`ppo.scoring.response_logprobs`): the mean and largest absolute gap, and the mean signed gap, which
 estimates KL(engine || float32 policy) per token, the size of the off-policy error. For `hf` the
 log-probs come from `generate`'s own scores.
 """
@@ -36,14 +36,15 @@ from workload import SYNTHETIC, benchmark_prompts
 from rlhf_core.config import RolloutConfig, load_config
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_prompt
-from rlhf_core.ppo.lean_engine import LeanEngine
-from rlhf_core.ppo.rollout import left_pad, response_logprobs, sampling_config
-from rlhf_core.ppo.rollout_engine import (
+from rlhf_core.ppo.scoring import response_logprobs
+from rlhf_core.rollout.engine import (
     Generation,
     HFGenerateEngine,
     RolloutEngine,
     SamplingParams,
 )
+from rlhf_core.rollout.generation import left_pad, sampling_config
+from rlhf_core.rollout.lean_engine import LeanEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {  # name: (ppo.rollout.engine, dtype, sampler, kernel)

@@ -13,7 +13,7 @@ It reads the `settings` block of our report and mirrors it:
   weights; SmolLM2 from the same safetensors cache). Policy and reference as causal LMs, reward
   and value models as `AutoModelForSequenceClassification` (TRL reads their `.score` head), the
   reference and reward model in the same dtype as ours, and the same `trainable_top_layers` freezing
-  of the policy and value model (`freeze_all_but_top_layers`, as in `rlhf_core.training.freezing`);
+  of the policy and value model (`freeze_all_but_top_layers`, as in `rlhf_core.models.freezing`);
 - the same prompts (`workload.py`; the run fails unless their fingerprint equals ours) and the
   same fixed response length: no stop token (`stop_token=None`, `stop_token_id=None`, so TRL sets the
   policy's generation `eos_token_id` to None), checked on every generated batch;
@@ -121,7 +121,7 @@ def load_tokenizer(settings: dict[str, Any]) -> PreTrainedTokenizerBase:
 
 
 def freeze_all_but_top_layers(model: PreTrainedModel, n: int | None) -> None:
-    """Train only the top `n` blocks, the final norm and the head, as `rlhf_core.training.freezing` does
+    """Train only the top `n` blocks, the final norm and the head, as `rlhf_core.models.freezing` does
     (a head tied to the input embedding stays frozen with it)."""
     model.requires_grad_(True)
     if n is None or n == -1:

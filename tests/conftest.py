@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
-from rlhf_core.ppo import c_library
+from rlhf_core.rollout import kernel_library
 
 pytest_plugins = ["fixtures.servers"]
 
@@ -33,7 +33,7 @@ def tokenizer() -> PreTrainedTokenizerBase:
 def lean_engine_kernel_built() -> None:
     """The lean engine's C library, built (or loaded from its cache) once before any test: a build runs
     the compiler, a process that a test body without the `slow` mark may not start (below)."""
-    c_library.library()
+    kernel_library.library()
 
 
 @pytest.fixture(scope="module")

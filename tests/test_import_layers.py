@@ -1,13 +1,16 @@
-"""Imports point one way: rlhf_cli -> flows -> tasks -> rlhf_core, and rlhf_core's packages form no cycle.
+"""Imports point one way: rlhf_cli -> flows -> tasks -> rlhf_core, and inside rlhf_core only down the
+levels of docs/architecture.md, to the packages its table allows (no sideways import), with no cycle.
 
 Read from the source with `ast` (every import statement, those inside functions too), so a lazy import
-that closes a cycle is caught as well as a top-level one.
+that closes a cycle or runs sideways is caught as well as a top-level one. `ALLOWED_IMPORTS` is the
+table's twin in code; a test keeps the two equal.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import re
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -15,29 +18,108 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("rlhf_core", "tasks", "flows", "rlhf_cli")  # each may import only those before it
 ORCHESTRATION = ("prefect", "mlflow", "dvc")  # never imported by the ML library
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+CORE = "rlhf_core"
+# docs/architecture.md's table: package -> the packages it may import (`rlhf_core`: any of its packages).
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "rlhf_cli": {"flows", "tasks", "rlhf_core"},
+    "flows": {"tasks", "rlhf_core"},
+    "tasks": {"rlhf_core"},
+    "ablation": {"stages", "ppo", "config", "atomic", "layout"},
+    "stages": {
+        "evaluation", "ppo", "reward", "sft", "training", "data", "models", "distributed", "config",
+        "atomic", "layout", "output_lock", "progress",
+    },
+    "evaluation": {
+        "reward", "rollout", "sft", "data", "models", "config", "atomic", "layout", "progress", "statistics",
+    },
+    "ppo": {"rollout", "training", "models", "distributed", "config", "atomic", "progress", "statistics"},
+    "reward": {"sft", "data", "models", "config", "atomic", "statistics"},
+    "sft": {"data", "models", "atomic"},
+    "rollout": {"models", "config", "c_library"},
+    "training": {"distributed", "config", "atomic", "c_library", "progress"},
+    "data": {"config", "atomic"},
+    "models": {"config", "atomic", "progress"},
+    "distributed": {"config", "atomic"},
+    "config": set(),
+    "atomic": set(),
+    "c_library": set(),
+    "layout": set(),
+    "output_lock": set(),
+    "progress": set(),
+    "statistics": set(),
+}  # fmt: skip
 
 
-def modules(package: str) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file of `package`."""
+def modules(package: str, root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of `package` under `root`."""
     found = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
 def imported(path: Path) -> Iterator[str]:
-    """Every absolute module name `path` imports."""
+    """Every absolute module name `path` imports (`from tasks import x`: tasks.x, as x may be a module)."""
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
+            if node.module in LAYERS:
+                yield from (f"{node.module}.{alias.name}" for alias in node.names)
+            else:
+                yield node.module
 
 
 def subpackage(module: str) -> str:
     """rlhf_core.ppo.trainer -> ppo; rlhf_core.config -> config (a top-level module is its own node)."""
     return module.split(".")[1]
+
+
+def package_of(module: str) -> str:
+    """The table's name for the package holding `module`: rlhf_core.ppo.trainer -> ppo, tasks.stages -> tasks."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == CORE and len(parts) > 1 else parts[0]
+
+
+def forbidden_imports(allowed: Mapping[str, Collection[str]], root: Path = ROOT) -> list[str]:
+    """Every import between the packages of the four layers under `root` that `allowed` does not permit,
+    and every package `allowed` has no row for, one line each."""
+    offences = []
+    for layer in LAYERS:
+        for module, path in modules(layer, root).items():
+            if module == CORE:
+                continue  # rlhf_core/__init__.py: the library's root, no package of the table
+            source, where = package_of(module), path.relative_to(root)
+            if source not in allowed:
+                offences.append(f"{where}: package {source} has no row in docs/architecture.md's table")
+                continue
+            for name in imported(path):
+                target = package_of(name)
+                if name.split(".")[0] not in LAYERS or target == source:
+                    continue
+                if target not in allowed[source] and not (name.split(".")[0] == CORE and CORE in allowed[source]):
+                    offences.append(f"{where} imports {name}: {source} may not import {target}")
+    return offences
+
+
+def architecture_table(text: str) -> dict[str, set[str]]:
+    """docs/architecture.md's package table: package -> the packages of its "may import" cell."""
+    table = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
+            table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[2]))
+    return table
+
+
+def architecture_levels(text: str) -> dict[str, int]:
+    """docs/architecture.md's picture of rlhf_core: package -> its level ("level 3    sft  rollout ...")."""
+    levels = {}
+    for number, names in re.findall(r"^ +level (\d+) +([\w ]+)", text, flags=re.M):
+        levels.update({name: int(number) for name in names.split()})
+    return levels
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -99,3 +181,58 @@ def test_no_layer_imports_a_layer_above_it(layer: str) -> None:
         if name.split(".")[0] in forbidden
     ]
     assert not offences, "\n".join(offences)
+
+
+def test_the_architecture_table_and_its_twin_in_code_agree() -> None:
+    assert architecture_table(ARCHITECTURE.read_text(encoding="utf-8")) == ALLOWED_IMPORTS
+
+
+def test_the_table_allows_only_imports_down_the_levels_of_the_picture() -> None:
+    levels = architecture_levels(ARCHITECTURE.read_text(encoding="utf-8"))
+    core_packages = set(ALLOWED_IMPORTS) - set(LAYERS)
+    assert set(levels) == core_packages, "every rlhf_core package of the table is on one level of the picture"
+    sideways_or_up = [
+        f"{source} -> {target}"
+        for source, targets in ALLOWED_IMPORTS.items()
+        if source in levels
+        for target in targets
+        if levels[target] >= levels[source]
+    ]
+    assert not sideways_or_up, f"the table allows imports that do not go down a level: {sideways_or_up}"
+
+
+def test_every_import_is_one_the_architecture_table_allows() -> None:
+    offences = forbidden_imports(ALLOWED_IMPORTS)
+    assert not offences, "\n".join(offences) + "\n(docs/architecture.md says which package may import which)"
+
+
+def write_module(root: Path, relative: str, source: str = "") -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source, encoding="utf-8")
+
+
+def test_the_checker_reports_a_sideways_import_and_a_package_without_a_row(tmp_path: Path) -> None:
+    allowed = {"models": {"config"}, "training": {"config"}, "config": set(), "tasks": {"rlhf_core"}}
+    write_module(tmp_path, "rlhf_core/__init__.py")
+    write_module(tmp_path, "rlhf_core/config/__init__.py")
+    write_module(tmp_path, "rlhf_core/models/base.py", "from rlhf_core.config import Config\n")
+    write_module(tmp_path, "rlhf_core/models/lora.py", "def f():\n    from rlhf_core.training.freezing import g\n")
+    write_module(tmp_path, "rlhf_core/training/freezing.py", "import rlhf_core.config\n")
+    write_module(tmp_path, "rlhf_core/sideways/__init__.py")
+    write_module(tmp_path, "tasks/stages.py", "import rlhf_core\nfrom rlhf_core.models import base\n")
+    assert forbidden_imports(allowed, tmp_path) == [
+        "rlhf_core/models/lora.py imports rlhf_core.training.freezing: models may not import training",
+        "rlhf_core/sideways/__init__.py: package sideways has no row in docs/architecture.md's table",
+    ]
+
+
+def test_the_checker_reports_an_upward_import_between_layers(tmp_path: Path) -> None:
+    allowed = {"tasks": {"rlhf_core"}, "flows": {"tasks", "rlhf_core"}, "ppo": set()}
+    write_module(tmp_path, "rlhf_core/ppo/trainer.py", "from tasks import stages\n")
+    write_module(tmp_path, "tasks/stages.py", "from flows.pipeline import run\n")
+    write_module(tmp_path, "flows/pipeline.py", "from tasks import stages\n")
+    assert forbidden_imports(allowed, tmp_path) == [
+        "rlhf_core/ppo/trainer.py imports tasks.stages: ppo may not import tasks",
+        "tasks/stages.py imports flows.pipeline: tasks may not import flows",
+    ]

@@ -37,7 +37,7 @@ from rlhf_core.models.lora import (
 )
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import load_tiny_model
-from rlhf_core.ppo.rollout import RewardModelScorer
+from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import PPOTrainer
 from rlhf_core.stages.ppo import load_ppo_data, load_ppo_models, run_ppo
 from rlhf_core.stages.reward import run_train_rm

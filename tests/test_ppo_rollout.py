@@ -15,17 +15,9 @@ from rlhf_core.models.blocks import final_hidden_states
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.ppo.rollout import (
-    RewardModelScorer,
-    generate_responses,
-    left_pad,
-    mask_after_stop,
-    response_logprobs,
-    response_values,
-    sampling_config,
-    stop_token_ids,
-)
+from rlhf_core.ppo.scoring import RewardModelScorer, response_logprobs, response_values
 from rlhf_core.ppo.sequences import joined_sequence
+from rlhf_core.rollout.generation import generate_responses, left_pad, mask_after_stop, sampling_config, stop_token_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import PPOModels
-from rlhf_core.ppo.rollout import RewardModelScorer
+from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.shared_trunk import find_shared_trunk
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 

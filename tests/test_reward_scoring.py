@@ -13,6 +13,7 @@ from rlhf_core.config import RewardConfig, TinyModelConfig
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.blocks import final_hidden_states, only_blocks
 from rlhf_core.models.chat import end_of_turn_id
+from rlhf_core.models.freezing import freeze_all_but_top_layers
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.reward.batch import collate_pairs, encode_pairs
@@ -21,7 +22,6 @@ from rlhf_core.reward.scoring import pair_outputs, score_pair_batches, side_outp
 from rlhf_core.sft.batch import IGNORE_INDEX
 from rlhf_core.stages.reward import count_pairs_and_tokens, reward_loss_fn
 from rlhf_core.training.batching import fixed_size_plan
-from rlhf_core.training.freezing import freeze_all_but_top_layers
 from rlhf_core.training.loop import train
 from rlhf_core.training.loop_config import LoopConfig
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_core.training.freezing import freeze_all_but_top_layers
+from rlhf_core.models.freezing import freeze_all_but_top_layers
 from rlhf_core.training.vocabulary_gradients import (
     InPlaceGradientEmbedding,
     InPlaceGradientHead,

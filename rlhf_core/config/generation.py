@@ -22,7 +22,7 @@ class GenerationConfig(Section):
 
 
 class RolloutConfig(GenerationConfig):
-    """PPO's sampling settings and the engine that samples (rlhf_core/ppo/rollout_engine.py)."""
+    """PPO's sampling settings and the engine that samples (rlhf_core/rollout/engine.py)."""
 
     engine: Literal["hf", "lean"] = Field(
         "lean", description="hf: transformers generate; lean: the KV-cached CPU sampling loop (docs/rollout-engine.md)."
@@ -32,13 +32,13 @@ class RolloutConfig(GenerationConfig):
     )
     sampler: Sampler = Field(
         "inverse_cdf",
-        description="Lean engine's draw (rlhf_core/ppo/sampling.py), both exact: inverse_cdf, one uniform per reply "
-        "(~0.5 ms a step); multinomial, torch.multinomial as generate draws (its tokens for a seed; ~10 ms a step). "
-        "The hf engine always draws as generate does.",
+        description="Lean engine's draw (rlhf_core/rollout/sampling.py), both exact: inverse_cdf, one uniform per "
+        "reply (~0.5 ms a step); multinomial, torch.multinomial as generate draws (its tokens for a seed; ~10 ms "
+        "a step). The hf engine always draws as generate does.",
     )
     kernel: Kernel = Field(
         "blocked",
         description="Lean engine's float32 CPU matrix product: blocked, the project's C kernel built on "
-        "first use with the system's C compiler (rlhf_core/ppo/c_library.py; oneDNN where it cannot be built); "
-        "onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
+        "first use with the system's C compiler (rlhf_core/rollout/kernel_library.py; oneDNN where it cannot be "
+        "built); onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
     )

@@ -3,8 +3,8 @@
 `evaluation.generation` in params.yaml holds them: nucleus sampling with p = 0.9, temperature 0.8,
 repetition penalty 1.1, one reply per prompt, up to `max_new_tokens` tokens. Prompts are rendered by
 the model's own chat template (`chat.encode_prompt`, whole: the eval split is length-filtered), left-
-padded and sampled in batches by the same KV-cached `generate` call PPO's rollouts use, which stops
-each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
+padded and sampled in batches by the rollout engine's KV-cached `generate` call (rlhf_core/rollout/
+generation.py, what PPO's `hf` engine samples with), which stops each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
 both models of a comparison are sampled with the same seed and the caller's random state is untouched.
 Given a `desc`, a progress bar counts the prompts answered (rlhf_core/progress.py).
 `sample_replies` draws several replies per prompt (for the length-matched pairs, length_matching.py).
@@ -22,8 +22,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data.records import Message
 from rlhf_core.models.chat import encode_prompt
-from rlhf_core.ppo.rollout import generate_responses, left_pad, stop_token_ids
 from rlhf_core.progress import progress
+from rlhf_core.rollout.generation import generate_responses, left_pad, stop_token_ids
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""Models: loading, the packaged SmolLM2, the tiny test model, chat formatting, scalar heads, saving."""
+"""Models: loading, the packaged SmolLM2, the tiny test model, chat formatting, scalar heads, LoRA, which
+parameters train (`freezing`), saving."""

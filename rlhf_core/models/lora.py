@@ -39,7 +39,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from rlhf_core.config import LoraConfig
-from rlhf_core.training.freezing import count_trainable_parameters, freeze_all_but_top_layers
+from rlhf_core.models.freezing import count_trainable_parameters, freeze_all_but_top_layers
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

@@ -2,7 +2,7 @@
 
 The `ExperienceMaker` owns everything between the prompt stream and the tensors PPO learns from: the
 next prompts (a seeded reshuffle every epoch, sharded across ranks), one batched call of the rollout
-engine (rollout_engine.py, `ppo.rollout.engine`; under ZeRO-3 with the policy gathered once), and the
+engine (rlhf_core/rollout/engine.py, `ppo.rollout.engine`; under ZeRO-3 with the policy gathered once), and the
 no-grad scoring passes of the policy, the reference, the critic and the reward model, `scoring_rows`
 rows at a time: the log-probs PPO uses are always the scoring pass's, never the engine's. With the
 shared trunk (rlhf_core/ppo/shared_trunk.py) the frozen lower blocks run once per rollout (or not at all:
@@ -31,28 +31,21 @@ from rlhf_core.distributed.sharding import shard
 from rlhf_core.models.chat import Messages, encode_prompt
 from rlhf_core.models.heads import Critic
 from rlhf_core.ppo.experience import Experience
-from rlhf_core.ppo.lean_engine import DTYPES, LeanEngine
 from rlhf_core.ppo.losses import at_least_float32
 from rlhf_core.ppo.monitors import Metrics, experience_monitors
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.recipe import assemble_experience
-from rlhf_core.ppo.rollout import (
-    RewardModelScorer,
-    Scorer,
-    chunks,
-    left_pad,
-    response_logprobs,
-    response_values,
-    stop_token_ids,
-)
-from rlhf_core.ppo.rollout_engine import (
+from rlhf_core.ppo.scoring import RewardModelScorer, Scorer, chunks, response_logprobs, response_values
+from rlhf_core.ppo.sequences import TrunkStates
+from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk, share_storage
+from rlhf_core.rollout.engine import (
     Generation,
     HFGenerateEngine,
     RolloutEngine,
     SamplingParams,
 )
-from rlhf_core.ppo.sequences import TrunkStates
-from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk, share_storage
+from rlhf_core.rollout.generation import left_pad, stop_token_ids
+from rlhf_core.rollout.lean_engine import DTYPES, LeanEngine
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan
 
 log = logging.getLogger(__name__)
@@ -66,13 +59,13 @@ class PPOModels:
     policy: PreTrainedModel  # trained; starts as the SFT model
     reference: PreTrainedModel  # frozen copy of the SFT model: the KL anchor
     critic: Critic  # trained; starts from the reward model (or SFT + a fresh head)
-    scorer: Scorer  # frozen reward model (`rollout.RewardModelScorer`) or, in tests, a rule
+    scorer: Scorer  # frozen reward model (`scoring.RewardModelScorer`) or, in tests, a rule
 
 
 def make_rollout_engine(
     settings: RolloutConfig, policy: PreTrainedModel, rollout_batch_size: int, trunk_layers: int | None = None
 ) -> RolloutEngine:
-    """The engine `ppo.rollout.engine` names (rollout_engine.py); the lean one copies `policy`'s weights now
+    """The engine `ppo.rollout.engine` names (rlhf_core/rollout/engine.py); the lean one copies `policy`'s weights now
     and, given the shared trunk's `trunk_layers`, hands back its states when it computes in the policy's dtype."""
     if settings.engine == "hf":
         if settings.dtype != "float32":

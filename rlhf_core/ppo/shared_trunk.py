@@ -15,7 +15,7 @@ Stored once, too (`share_storage`): the reference and the reward model then hold
 those blocks instead of their own bit-identical copies, and fresh copies of the rest, so that the
 checkpoint files transformers memory-maps them from are released (for SmolLM2 the process's resident set
 drops by 0.86 GB), which more than pays for the lean rollout engine's own copy of the policy
-(rlhf_core/ppo/decode_weights.py). The critic keeps its copy: it is checkpointed with the policy, and a
+(rlhf_core/rollout/decode_weights.py). The critic keeps its copy: it is checkpointed with the policy, and a
 checkpoint stores each tensor once.
 
 Nothing is assumed: `find_shared_trunk` compares the weights. A model whose lower blocks differ from the
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from rlhf_core.models.blocks import lower_residual
-from rlhf_core.ppo.rollout import chunks
+from rlhf_core.ppo.scoring import chunks
 from rlhf_core.ppo.sequences import TrunkStates, joined_sequence
 
 MEMBERS = ("reference", "critic", "reward_model")

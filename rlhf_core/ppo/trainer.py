@@ -32,11 +32,11 @@ from rlhf_core.ppo.guard import CollapseError, CollapseGuard
 from rlhf_core.ppo.learner import make_learner
 from rlhf_core.ppo.monitors import Metrics, SampleTable, sample_rows
 from rlhf_core.ppo.ptx import PtxStream
-from rlhf_core.ppo.rollout_engine import RolloutEngine
 from rlhf_core.ppo.selection import Selection, ValidationRecord
 from rlhf_core.ppo.update import PPOUpdate
 from rlhf_core.ppo.validation import Validator
 from rlhf_core.progress import bars_enabled
+from rlhf_core.rollout.engine import RolloutEngine
 from rlhf_core.training.checkpoint import TrainingState, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop import seed_everything
@@ -76,7 +76,7 @@ class PPOTrainer:
         distributed: DistributedConfig | None = None,
         engine: RolloutEngine | None = None,
     ) -> None:
-        """`engine` samples the rollouts (default: the one `config.rollout.engine` names; rollout_engine.py)."""
+        """`engine` samples the rollouts (default: the one `config.rollout.engine` names; rlhf_core/rollout/)."""
         self.models = models
         self.tokenizer = tokenizer
         self.config = config

@@ -28,7 +28,7 @@ from rlhf_core.ppo.learner import Learner, ModelName
 from rlhf_core.ppo.monitors import Metrics
 from rlhf_core.ppo.ptx import PtxBatch, PtxStream, ptx_nll_sum
 from rlhf_core.ppo.recipe import loss_advantages, policy_objective, policy_terms, value_terms
-from rlhf_core.ppo.rollout import chunks, response_logprobs, response_values
+from rlhf_core.ppo.scoring import chunks, response_logprobs, response_values
 from rlhf_core.ppo.sequences import TrunkStates
 
 TrunkLookup = Callable[[Experience, str], TrunkStates | None]

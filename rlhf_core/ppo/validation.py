@@ -28,8 +28,9 @@ from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.ppo.experience_maker import ExperienceMaker
 from rlhf_core.ppo.monitors import Metrics, validation_monitors
 from rlhf_core.ppo.recipe import penalize_unfinished
-from rlhf_core.ppo.rollout import chunks, left_pad
+from rlhf_core.ppo.scoring import chunks
 from rlhf_core.ppo.selection import Selection, ValidationRecord, select_policy
+from rlhf_core.rollout.generation import left_pad
 
 BEST_DIR = "best"
 VALIDATED_DIR = "validated"  # validated/step-<n>: every validated policy, until the selection

@@ -43,16 +43,16 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import CollapseGuardConfig, Config
 from rlhf_core.data.prepare import REPORT_FILE, load_split
-from rlhf_core.layout import SELECTION_FILE
 from rlhf_core.distributed.context import stage_context
+from rlhf_core.layout import SELECTION_FILE
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.monitors import SampleTable
 from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
-from rlhf_core.ppo.rollout import RewardModelScorer
-from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
 from rlhf_core.ppo.validation import BEST_DIR, VALIDATED_DIR, validated_dir
 from rlhf_core.stages.result import (

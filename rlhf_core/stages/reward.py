@@ -41,6 +41,7 @@ from rlhf_core.data.records import PreferencePair
 from rlhf_core.distributed.context import stage_context
 from rlhf_core.models.base import DTYPES, load_base_model
 from rlhf_core.models.chat import end_of_turn_id
+from rlhf_core.models.freezing import enable_gradient_checkpointing
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.lora import make_trainable
@@ -81,7 +82,6 @@ from rlhf_core.stages.training_run import (
     training_device,
 )
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
-from rlhf_core.training.freezing import enable_gradient_checkpointing
 from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import total_steps, train
 

@@ -32,6 +32,7 @@ from rlhf_core.data.records import PreferencePair
 from rlhf_core.distributed.context import RankContext, stage_context
 from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.models.base import load_base_model
+from rlhf_core.models.freezing import enable_gradient_checkpointing
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.sft.batch import (
@@ -62,7 +63,6 @@ from rlhf_core.stages.training_run import (
 )
 from rlhf_core.training.batching import fixed_size_plan
 from rlhf_core.training.checkpoint import latest_checkpoint
-from rlhf_core.training.freezing import enable_gradient_checkpointing
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import run_evaluation, total_steps, train
 from rlhf_core.training.vocabulary_gradients import accumulate_vocabulary_gradients_in_place

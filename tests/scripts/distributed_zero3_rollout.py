@@ -20,10 +20,10 @@ from deepspeed.runtime.zero import GatheredParameters
 
 from rlhf_core.config import load_config
 from rlhf_core.distributed.context import stage_context
-from rlhf_core.ppo.lean_engine import LeanEngine
-from rlhf_core.ppo.rollout import generate_responses, left_pad, sampling_config
-from rlhf_core.ppo.rollout_engine import HFGenerateEngine
 from rlhf_core.ppo.trainer import PPOTrainer
+from rlhf_core.rollout.engine import HFGenerateEngine
+from rlhf_core.rollout.generation import generate_responses, left_pad, sampling_config
+from rlhf_core.rollout.lean_engine import LeanEngine
 from rlhf_core.stages.ppo import load_ppo_data, load_ppo_models
 
 ROOT = Path(__file__).resolve().parents[2]

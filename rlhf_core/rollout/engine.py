@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from rlhf_core.config.generation import RolloutConfig
-from rlhf_core.ppo.rollout import generate_responses, mask_after_stop
+from rlhf_core.rollout.generation import generate_responses, mask_after_stop
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 /* One decode step of a Llama-family decoder in float32: every block's small operations in C, around the
  * projections of blocked_linear.c.
  *
- * The lean rollout engine's decode step (rlhf_core/ppo/decode_step.py says why and how it is called;
+ * The lean rollout engine's decode step (rlhf_core/rollout/decode_step.py says why and how it is called;
  * docs/rollout-engine.md has the measurements). With the projections at the memory's speed, what was left
  * of a step in PyTorch was ~60 small operations per block (norms, rotary, the one-query attention, the
  * gated activation, residual adds, views), each a few microseconds of dispatch over a few kilobytes:

@@ -1,6 +1,6 @@
 /* y = x W^T + bias in float32, for a weight stored in blocks of 16 output columns: [n / 16][k][16].
  *
- * The lean rollout engine's matrix product on CPUs (rlhf_core/ppo/blocked_linear.py says why and how it is
+ * The lean rollout engine's matrix product on CPUs (rlhf_core/rollout/blocked_linear.py says why and how it is
  * built; docs/rollout-engine.md has the measurements). A decode step multiplies a few rows by every weight
  * once, so what matters is streaming the weight at the memory's speed: in this layout one block is one
  * contiguous stream, each of its 64-byte rows (16 output columns at one input index) is used by every row

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_core.models.blocks import positions_from_mask
-from rlhf_core.ppo.decode_weights import Block, DecoderWeights
+from rlhf_core.rollout.decode_weights import Block, DecoderWeights
 
 
 @dataclass

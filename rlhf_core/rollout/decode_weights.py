@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from rlhf_core.config.generation import Kernel
-from rlhf_core.huge_pages import collapse_into_huge_pages
-from rlhf_core.ppo.blocked_linear import blocked_linear, pad_bias, to_blocks
-from rlhf_core.ppo.c_library import library
+from rlhf_core.rollout.blocked_linear import blocked_linear, pad_bias, to_blocks
+from rlhf_core.rollout.huge_pages import collapse_into_huge_pages
+from rlhf_core.rollout.kernel_library import library
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 VersionKey = tuple[tuple[int, int], ...]
@@ -243,7 +243,7 @@ class DecoderWeights:
     def refresh(self, model: PreTrainedModel) -> int:
         """Rebuild what may differ from `model`'s weights now (module doc); returns how many parts were rebuilt.
 
-        On a CPU the rebuilt projections are moved onto huge pages (rlhf_core/huge_pages.py): a decode step
+        On a CPU the rebuilt projections are moved onto huge pages (rlhf_core/rollout/huge_pages.py): a decode step
         streams them all, and on 4 KiB pages one core reads them at two thirds of the speed."""
         parts = self._parts(model)
         keys = [version_key(tensors) for tensors, _ in parts]

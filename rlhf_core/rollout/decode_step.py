@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_core.ppo.blocked_linear import BLOCK
-from rlhf_core.ppo.c_library import library
-from rlhf_core.ppo.decode_weights import Block, DecoderWeights, Linear
-from rlhf_core.ppo.llama_decoder import Capture, KVCache, Positions
+from rlhf_core.rollout.blocked_linear import BLOCK
+from rlhf_core.rollout.decode_weights import Block, DecoderWeights, Linear
+from rlhf_core.rollout.kernel_library import library
+from rlhf_core.rollout.llama_decoder import Capture, KVCache, Positions
 
 POINTER, LONG = ctypes.c_void_p, ctypes.c_long
 

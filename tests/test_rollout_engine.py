@@ -20,23 +20,19 @@ from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.lora import add_lora_adapters
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.ppo import decode_weights
 from rlhf_core.ppo.experience_maker import PPOModels, make_rollout_engine
-from rlhf_core.ppo.lean_engine import LeanEngine, logits_processors
-from rlhf_core.ppo.rollout import (
-    RewardModelScorer,
-    left_pad,
-    response_logprobs,
-    stop_token_ids,
-)
-from rlhf_core.ppo.rollout_engine import (
+from rlhf_core.ppo.scoring import RewardModelScorer, response_logprobs
+from rlhf_core.ppo.shared_trunk import SharedTrunk
+from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
+from rlhf_core.rollout import decode_weights
+from rlhf_core.rollout.engine import (
     Generation,
     HFGenerateEngine,
     SamplingParams,
     finish_replies,
 )
-from rlhf_core.ppo.shared_trunk import SharedTrunk
-from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
+from rlhf_core.rollout.generation import left_pad, stop_token_ids
+from rlhf_core.rollout.lean_engine import LeanEngine, logits_processors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

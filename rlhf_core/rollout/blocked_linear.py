@@ -7,7 +7,7 @@ plain sum reads (docs/rollout-engine.md). `blocked_linear.c` lays each weight ou
 16 output columns and prefetches each block's stream 4 KiB ahead; it reads the same weights at 15-16 GB/s
 and runs a prefill's hundreds of rows as fast as oneDNN.
 
-How it is built and loaded: c_library.py (one library with decode_step.c).
+How it is built and loaded: kernel_library.py (one library with decode_step.c).
 
 Float32 throughout: the products differ from torch's only in the order of additions (~1e-6 relative),
 as oneDNN's and MKL's do from each other.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_core.ppo.c_library import library
+from rlhf_core.rollout.kernel_library import library
 
 BLOCK = 16  # output columns per block, blocked_linear.c's BLOCK
 

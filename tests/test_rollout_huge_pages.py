@@ -1,4 +1,4 @@
-"""rlhf_core/huge_pages.py: ranges are merged and aligned to whole huge pages, and `collapse` moves a
+"""rlhf_core/rollout/huge_pages.py: ranges are merged and aligned to whole huge pages, and `collapse` moves a
 tensor's memory onto huge pages in place (where the kernel offers MADV_COLLAPSE), its values unchanged."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.huge_pages import aligned_inside, collapse_into_huge_pages, merged
+from rlhf_core.rollout.huge_pages import aligned_inside, collapse_into_huge_pages, merged
 
 MIB = 1024 * 1024
 

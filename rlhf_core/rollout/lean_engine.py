@@ -10,7 +10,7 @@ to the ``[B, vocab]`` float32 probabilities, one draw per row from torch's globa
 (`ppo.rollout.sampler`, sampling.py), a finished row's token replaced by the pad id, a stop once every
 row has emitted a stop id or the length cap is reached. With the `multinomial` sampler, float32 weights
 and the same random state it draws the same tokens as `HFGenerateEngine`
-(tests/test_ppo_rollout_engine.py), up to the float32 rounding of a different matmul kernel
+(tests/test_rollout_engine.py), up to the float32 rounding of a different matmul kernel
 (docs/rollout-engine.md measures it); the default `inverse_cdf` sampler draws from the same distribution
 with other random numbers, at a thirtieth of the cost.
 
@@ -36,22 +36,22 @@ from transformers.generation.logits_process import (
 )
 
 from rlhf_core.config.generation import GenerationConfig, RolloutConfig
-from rlhf_core.ppo.decode_step import DecodeStep, usable
-from rlhf_core.ppo.decode_weights import DecoderWeights
-from rlhf_core.ppo.llama_decoder import (
+from rlhf_core.rollout.decode_step import DecodeStep, usable
+from rlhf_core.rollout.decode_weights import DecoderWeights
+from rlhf_core.rollout.engine import (
+    Generation,
+    SamplingParams,
+    finish_replies,
+    seeded,
+)
+from rlhf_core.rollout.llama_decoder import (
     Capture,
     KVCache,
     Positions,
     TorchStep,
     next_token_logits,
 )
-from rlhf_core.ppo.rollout_engine import (
-    Generation,
-    SamplingParams,
-    finish_replies,
-    seeded,
-)
-from rlhf_core.ppo.sampling import draw
+from rlhf_core.rollout.sampling import draw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

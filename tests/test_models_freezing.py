@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from rlhf_core.training.freezing import (
+from rlhf_core.models.freezing import (
     count_trainable_parameters,
     enable_gradient_checkpointing,
     freeze_all_but_top_layers,

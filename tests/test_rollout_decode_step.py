@@ -1,4 +1,4 @@
-"""The lean engine's C decode step (rlhf_core/ppo/decode_step.py) against the PyTorch decoder it replaces
+"""The lean engine's C decode step (rlhf_core/rollout/decode_step.py) against the PyTorch decoder it replaces
 (llama_decoder.py): the same logits, cache columns and captured residuals, to float32 rounding."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.config.model import TinyModelConfig
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.ppo.decode_step import DecodeStep, usable
-from rlhf_core.ppo.decode_weights import DecoderWeights
-from rlhf_core.ppo.llama_decoder import Capture, KVCache, Positions, next_token_logits, run_blocks
-from rlhf_core.ppo.rollout import left_pad
+from rlhf_core.rollout.decode_step import DecodeStep, usable
+from rlhf_core.rollout.decode_weights import DecoderWeights
+from rlhf_core.rollout.generation import left_pad
+from rlhf_core.rollout.llama_decoder import Capture, KVCache, Positions, next_token_logits, run_blocks
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

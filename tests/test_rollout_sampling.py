@@ -1,4 +1,4 @@
-"""rlhf_core/ppo/sampling.py: the `inverse_cdf` draw locates a uniform in the float64 cumulative
+"""rlhf_core/rollout/sampling.py: the `inverse_cdf` draw locates a uniform in the float64 cumulative
 distribution (checked against the definition written out), never draws a token of probability zero,
 and its draws follow the probabilities (a frequency test over many seeded draws)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.ppo.sampling import draw, inverse_cdf_draw
+from rlhf_core.rollout.sampling import draw, inverse_cdf_draw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""The lean engine's C kernel (rlhf_core/ppo/blocked_linear.py): its products against plain float64 ones,
-its weight layout, how the C library is built and cached (c_library.py), and the engine's fallback to
+"""The lean engine's C kernel (rlhf_core/rollout/blocked_linear.py): its products against plain float64 ones,
+its weight layout, how the C library is built and cached (kernel_library.py), and the engine's fallback to
 oneDNN without a compiler."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.config import RolloutConfig
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.ppo import blocked_linear as kernel
-from rlhf_core.ppo import c_library
-from rlhf_core.ppo.decode_weights import choose_layout
-from rlhf_core.ppo.lean_engine import LeanEngine
-from rlhf_core.ppo.rollout import left_pad, stop_token_ids
-from rlhf_core.ppo.rollout_engine import SamplingParams
+from rlhf_core.rollout import blocked_linear as kernel
+from rlhf_core.rollout import kernel_library
+from rlhf_core.rollout.decode_weights import choose_layout
+from rlhf_core.rollout.engine import SamplingParams
+from rlhf_core.rollout.generation import left_pad, stop_token_ids
+from rlhf_core.rollout.lean_engine import LeanEngine
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
 
@@ -88,17 +88,17 @@ def test_the_library_is_keyed_by_its_source_and_written_whole(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = shutil.which(os.environ.get("CC", "cc"))
     assert compiler is not None
-    sources = [source.read_bytes() for source in c_library.SOURCES]
-    target = c_library.library_path(compiler, sources)
+    sources = [source.read_bytes() for source in kernel_library.SOURCES]
+    target = kernel_library.library_path(compiler, sources)
     assert target.parent == tmp_path / "rlhf-pipeline" / "kernels"
-    assert c_library.library_path(compiler, [sources[0], sources[1] + b"\n"]) != target
-    c_library.build(compiler, c_library.SOURCES, target)
+    assert kernel_library.library_path(compiler, [sources[0], sources[1] + b"\n"]) != target
+    kernel_library.build(compiler, kernel_library.SOURCES, target)
     assert [path.name for path in target.parent.iterdir()] == [target.name]
 
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     with pytest.raises(subprocess.CalledProcessError):
-        c_library.build(compiler, (c_library.SOURCES[0], broken), target.with_name("broken.so"))
+        kernel_library.build(compiler, (kernel_library.SOURCES[0], broken), target.with_name("broken.so"))
     assert [path.name for path in target.parent.iterdir()] == [target.name]  # nothing half-written left
 
 
@@ -113,9 +113,9 @@ def test_the_kernel_uses_whole_registers_at_every_x86_level(level: str, tmp_path
     vector wider than the registers, into an error; every x86 level the kernel has a tile for compiles."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     assert compiler is not None
-    flags = [flag for flag in c_library.FLAGS if flag != "-march=native"]
+    flags = [flag for flag in kernel_library.FLAGS if flag != "-march=native"]
     built = subprocess.run(
-        [compiler, *flags, f"-march={level}", "-o", str(tmp_path / "kernel.so"), *map(str, c_library.SOURCES)],
+        [compiler, *flags, f"-march={level}", "-o", str(tmp_path / "kernel.so"), *map(str, kernel_library.SOURCES)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
@@ -126,9 +126,9 @@ def test_the_kernel_uses_whole_registers_at_every_x86_level(level: str, tmp_path
 def no_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A process where `cc` cannot be found: the kernel's cached load is forgotten before and after."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    c_library.library.cache_clear()
+    kernel_library.library.cache_clear()
     yield
-    c_library.library.cache_clear()
+    kernel_library.library.cache_clear()
 
 
 def rollout(tokenizer: PreTrainedTokenizerBase, kernel_name: str) -> tuple[str, list[Tensor]]:
@@ -154,7 +154,7 @@ def test_the_kernels_sample_the_same_replies(tokenizer: PreTrainedTokenizerBase)
 def test_without_a_compiler_the_engine_multiplies_with_onednn(
     tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert c_library.library() is None
+    assert kernel_library.library() is None
     assert "no C compiler" in caplog.text
     assert choose_layout(torch.device("cpu"), torch.float32, "blocked") == "reordered"
     layout, _ = rollout(tokenizer, "blocked")
