@@ -35,10 +35,7 @@ class StageClock:
         self.end_current(time.monotonic())
 
     def end_current(self, now: float) -> None:
+        """The current stage (if any) ends at `now`."""
         if self.current is not None:
             self.minutes[self.current] = (now - self.since) / 60
             self.current = None
-
-    def total(self) -> float:
-        """Minutes of all the stages timed so far."""
-        return sum(self.minutes.values())

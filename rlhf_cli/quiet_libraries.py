@@ -17,6 +17,7 @@ warnings, and Prefect's "Still processing items" while its events are sent.
 from __future__ import annotations
 
 import os
+import sys
 
 from rlhf_core.progress import bars_enabled
 
@@ -29,12 +30,14 @@ QUIET_LIBRARY_SETTINGS = {
 
 def silence_libraries() -> None:
     """Switch the libraries' bars and notices off: QUIET_LIBRARY_SETTINGS, each unless already set, and
-    transformers' bars in this process in case transformers was imported before (it reads the switch once)."""
+    transformers' bars in this process if transformers was imported before (it reads the switch once, on
+    import; a later import reads the variable, so it is not imported here for nothing)."""
     for name, value in QUIET_LIBRARY_SETTINGS.items():
         os.environ.setdefault(name, value)
-    from transformers.utils import logging as transformers_logging
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # also huggingface_hub's; its variable, set to "0", wins
+        transformers_logging.disable_progress_bar()  # also huggingface_hub's; its variable, set to "0", wins
 
 
 def silence_libraries_unless_watched() -> None:
