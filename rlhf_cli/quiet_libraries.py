@@ -8,14 +8,19 @@ import when stdout or stderr is a terminal, so also when only stderr is redirect
 set here as an environment variable (unless the user set it), so that the processes a command starts
 inherit it: the deepspeed launcher's ranks, the flow runs of `rlhf serve`, the DVC commands.
 
-What has no switch is diverted instead (rlhf_cli/library_logs.py): DeepSpeed's "Setting accelerator to
-CPU" warning (its logger's level is reset when DeepSpeed creates it, on import, just before it warns;
-DS_ACCELERATOR would skip the detection but also force the accelerator), MLflow's and transformers'
-warnings, and Prefect's "Still processing items" while its events are sent.
+DeepSpeed warns "Setting accelerator to CPU" whenever it is imported on a machine without an accelerator,
+and transformers' `save_pretrained` imports it (through accelerate) in every stage that saves a model. Its
+switch, DS_ACCELERATOR, skips the detection by naming the accelerator, so it is set to `cpu` only where
+the detection would find nothing (`deepspeed_cpu_setting`); a machine with a GPU keeps the detection.
+
+What has no switch is diverted instead (rlhf_cli/library_logs.py): MLflow's and transformers' warnings,
+and Prefect's "Still processing items" while its events are sent. (The diversion also catches DeepSpeed's
+warning where DS_ACCELERATOR was set by the user to something else.)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -27,12 +32,37 @@ QUIET_LIBRARY_SETTINGS = {
     "DO_NOT_TRACK": "1",  # Prefect's client telemetry, and with it the first-run notice
 }
 
+# Packages whose import DeepSpeed's accelerator detection tries (deepspeed/accelerator/real_accelerator.py);
+# torch's own devices (CUDA, XPU, MPS) are covered by `torch.accelerator`.
+DEEPSPEED_ACCELERATOR_PACKAGES = (
+    "intel_extension_for_pytorch",
+    "torch_npu",
+    "torch_sdaa",
+    "habana_frameworks",
+    "torch_mlu",
+    "torch_supa",
+    "torch_xmlir",
+)
+
+
+def deepspeed_cpu_setting() -> dict[str, str]:
+    """{"DS_ACCELERATOR": "cpu"} where DeepSpeed's detection would settle on the CPU anyway (torch sees no
+    accelerator and none of DeepSpeed's accelerator packages is installed), else nothing. Imports torch
+    here, not at the top: `rlhf --help` needs neither."""
+    import torch
+
+    if torch.accelerator.is_available():
+        return {}
+    if any(importlib.util.find_spec(name) is not None for name in DEEPSPEED_ACCELERATOR_PACKAGES):
+        return {}
+    return {"DS_ACCELERATOR": "cpu"}
+
 
 def silence_libraries() -> None:
-    """Switch the libraries' bars and notices off: QUIET_LIBRARY_SETTINGS, each unless already set, and
-    transformers' bars in this process if transformers was imported before (it reads the switch once, on
+    """Switch the libraries' bars and notices off: QUIET_LIBRARY_SETTINGS and `deepspeed_cpu_setting()`, each
+    unless already set, and transformers' bars in this process if transformers was imported before (it reads the switch once, on
     import; a later import reads the variable, so it is not imported here for nothing)."""
-    for name, value in QUIET_LIBRARY_SETTINGS.items():
+    for name, value in (QUIET_LIBRARY_SETTINGS | deepspeed_cpu_setting()).items():
         os.environ.setdefault(name, value)
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
