@@ -60,7 +60,8 @@ from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
 from tasks.preflight import check_services, stage_store_services, tracking_services
 from tasks.remote import RemoteStages
-from tasks.stages import StageContext, train_judge_reward
+from tasks.stage_runs import StageContext
+from tasks.stages import train_judge_reward
 from tasks.tracking import resolve_tracking_uri
 from tasks.transfer import join_uri
 

@@ -47,15 +47,9 @@ from tasks.outputs import StageOutput
 from tasks.preflight import check_services, stage_store_services, tracking_services
 from tasks.registry import RegisteredVersion, lineage_output_tags
 from tasks.remote import RemoteStages, run_training_stage
-from tasks.stages import (
-    StageContext,
-    ppo_task,
-    prepare_data_task,
-    register_task,
-    reward_task,
-    sft_task,
-    train_judge_reward,
-)
+from tasks.registration import register_task
+from tasks.stage_runs import StageContext
+from tasks.stages import ppo_task, prepare_data_task, reward_task, sft_task, train_judge_reward
 
 CACHE_DIR_NAME = ".cache"
 RUN_ID_CHARS = 8

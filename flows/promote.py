@@ -57,7 +57,7 @@ from tasks.promotion import (
     rollback_task,
 )
 from tasks.promotion_evidence import Evidence, evaluation_evidence, identical_models_evidence
-from tasks.stages import StageContext
+from tasks.stage_runs import StageContext
 from tasks.tracking import resolve_tracking_uri
 
 FLOW_TAG = "rlhf.flow"

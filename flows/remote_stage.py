@@ -26,7 +26,8 @@ from flows.pipeline import CACHE_DIR_NAME, run_directory
 from tasks.caching import with_cache_dir
 from tasks.outputs import StageOutput
 from tasks.remote import STAGE_FLOW_NAME, StageRequest
-from tasks.stages import OUTPUT_DIRS, StageContext, ppo_task, reward_task, sft_task
+from tasks.stage_runs import OUTPUT_DIRS, StageContext
+from tasks.stages import ppo_task, reward_task, sft_task
 from tasks.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
 
 STAGE_TASKS: dict[str, Task[..., StageOutput]] = {"sft": sft_task, "reward": reward_task, "ppo": ppo_task}

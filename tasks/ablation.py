@@ -51,15 +51,8 @@ from tasks.remote import (
     upload_inputs,
 )
 from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
-from tasks.stages import (
-    OUTPUT_DIRS,
-    STAGE_SECTIONS,
-    STAGE_TASK_OPTIONS,
-    StageContext,
-    content_hashes,
-    tracked_training_stage,
-    train_ppo,
-)
+from tasks.stage_runs import OUTPUT_DIRS, STAGE_SECTIONS, StageContext, content_hashes, tracked_training_stage
+from tasks.stages import STAGE_TASK_OPTIONS, train_ppo
 from tasks.tracking import MlflowLogger
 from tasks.transfer import download_output, join_uri, s3_client
 

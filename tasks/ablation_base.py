@@ -42,7 +42,7 @@ from tasks.lineage import (
 from tasks.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG
 from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.registry import PIPELINE_RUN_TAG
-from tasks.stages import OUTPUT_DIRS
+from tasks.stage_runs import OUTPUT_DIRS
 
 REQUIRED_STAGES = ("prepare-data", "sft", "reward")
 JUDGE_STAGE = "judge-reward"

@@ -64,7 +64,8 @@ from tasks.caching import StageCachePolicy
 from tasks.concurrency import training_slot
 from tasks.outputs import StageOutput, directory_sha256, files_sha256, hashed_files
 from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG, training_data_from_tags
-from tasks.stages import STAGE_SECTIONS, STAGE_TASK_OPTIONS, StageContext, tracked_stage
+from tasks.stage_runs import STAGE_SECTIONS, StageContext, tracked_stage
+from tasks.stages import STAGE_TASK_OPTIONS
 from tasks.tracking import resolve_tracking_uri
 
 MODELS_URI_PREFIX = "models:/"

@@ -66,7 +66,7 @@ from tasks.registry import (
     lineage_output,
 )
 from tasks.retries import is_retryable
-from tasks.stages import FINAL_METRIC_PREFIX
+from tasks.stage_reports import FINAL_METRIC_PREFIX
 
 CHAMPION_ALIAS = "champion"
 PROMOTION_TAG_PREFIX = "promotion."

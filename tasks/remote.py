@@ -34,7 +34,7 @@ from rlhf_core.config import Config
 from tasks.caching import with_cache_dir
 from tasks.mlflow_runs import TrackingTarget
 from tasks.outputs import StageOutput
-from tasks.stages import OUTPUT_DIRS, StageContext
+from tasks.stage_runs import OUTPUT_DIRS, StageContext
 from tasks.transfer import S3_SCHEME, StoredOutput, download_output, ensure_uploaded, join_uri, read_stored, s3_client
 
 RemoteStageName = Literal["sft", "reward", "ppo"]

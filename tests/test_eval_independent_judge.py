@@ -43,7 +43,7 @@ from tasks.registry import (
     PIPELINE_RUN_TAG,
     STAGE_RUN_TAG,
 )
-from tasks.stages import STAGE_SECTIONS
+from tasks.stage_runs import STAGE_SECTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

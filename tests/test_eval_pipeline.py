@@ -36,7 +36,7 @@ from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import PARENT_RUN_TAG, STAGE_TAG, close_run, open_pipeline_run
 from tasks.outputs import StageOutput, output_sha256
 from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, register
-from tasks.stages import StageContext
+from tasks.stage_runs import StageContext
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

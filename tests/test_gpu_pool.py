@@ -52,7 +52,7 @@ from tasks.lineage import FLOW_RUN_ID_TAG
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
 from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
-from tasks.stages import StageContext
+from tasks.stage_runs import StageContext
 from tasks.transfer import (
     MANIFEST,
     CorruptOutputError,

@@ -21,7 +21,7 @@ from tasks.data_source import resolve_data_source
 from tasks.lineage import config_sha256, dependency_set_sha256, git_state
 from tasks.outputs import StageOutput, directory_sha256, output_sha256
 from tasks.retries import is_retryable
-from tasks.stages import STAGE_SECTIONS
+from tasks.stage_runs import STAGE_SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 

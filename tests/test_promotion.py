@@ -61,7 +61,7 @@ from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import close_run, open_pipeline_run
 from tasks.outputs import StageOutput, output_sha256
 from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
-from tasks.stages import StageContext
+from tasks.stage_runs import StageContext
 from tasks.registry import (
     CHALLENGER_ALIAS,
     REWARD_VERSION_TAG,
