@@ -20,8 +20,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
+from rlhf_cli.in_process import flow_here
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
 
 GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
@@ -56,13 +56,13 @@ def ablate(
     remote_store: RemoteStoreOption = None,
 ) -> None:
     """Run PPO once per variant of a grid on one base, evaluate each against SFT, and compare them."""
-    resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
+    with flow_here(params, config, set_, runs_dir) as start:
         # Imported inside: importing the flows already makes libraries warn.
         from flows.ablation import AblationSettings, rlhf_ablation
         from tasks.remote import RemoteStages
 
         settings = AblationSettings(
+            **start.shared_settings,
             grid=str(grid),
             only=list(variant or []),
             base=base,
@@ -70,10 +70,6 @@ def ablate(
             sft=sft,
             reward=reward,
             judge=judge,
-            config=[str(path) for path in config or []],
-            overrides=list(set_ or []),
-            params_file=str(params),
-            runs_dir=str(runs_dir),
             remote=RemoteStages(stages=["ppo"], store=remote_store) if remote_store else RemoteStages(),
         )
         plan = settings.plan()  # every variant validated before Prefect starts

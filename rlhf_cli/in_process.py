@@ -1,6 +1,10 @@
-"""What `rlhf run` and `rlhf ablate` do around a flow they run in this process.
+"""What `rlhf run`, `rlhf ablate` and `rlhf promote` do around a flow they run in this process.
 
-Both run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
+`flow_here` is their shared start: the config resolved first (a bad key fails before any service is
+asked), then the flow's surroundings below, and the settings every flow's form takes from the shared
+options (`--config`, `-s`, `--params`, `--runs-dir`).
+
+They run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
 Prefect starts a temporary server of its own, which inherits this process's environment and reads its
 settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
 1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
@@ -16,9 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_cli.library_logs import library_log, run_log_path
+from rlhf_cli.options import resolve_config
+from rlhf_core.config import Config
 
 # For the temporary Prefect server:
 # - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
@@ -56,3 +63,29 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
 
     with library_log(run_log_path(runs_dir)) as log_path:
         yield log_path
+
+
+@dataclass(frozen=True)
+class FlowStart:
+    """What a command that runs a flow here has once `flow_here` has started it."""
+
+    config: Config  # the resolved configuration
+    shared_settings: dict[str, object]  # the flow settings' `config`, `overrides`, `params_file`, `runs_dir`
+
+
+@contextmanager
+def flow_here(
+    params: Path, config: list[Path] | None, overrides: list[str] | None, runs_dir: Path
+) -> Iterator[FlowStart]:
+    """Resolve the config (a bad key fails here, before any service is asked), then `in_process_flow`."""
+    resolved = resolve_config(params, config, overrides)
+    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
+        yield FlowStart(
+            config=resolved,
+            shared_settings={
+                "config": [str(path) for path in config or []],
+                "overrides": list(overrides or []),
+                "params_file": str(params),
+                "runs_dir": str(runs_dir),
+            },
+        )

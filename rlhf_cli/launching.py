@@ -1,4 +1,5 @@
-"""Training commands on one process or, when `distributed.num_processes > 1`, under the deepspeed launcher.
+"""How the training commands start: their shared preamble, and the stage on one process or, when
+`distributed.num_processes > 1`, under the deepspeed launcher.
 
 `rlhf sft`, `rlhf train-rm` and `rlhf ppo` (and so `dvc repro`) behave the same either way: with several
 processes configured they start the ranks through rlhf_core/distributed/launcher.py, print every rank's
@@ -13,9 +14,33 @@ from pathlib import Path
 
 import typer
 
+from rlhf_cli.options import resolve_config
 from rlhf_core.config import Config
 from rlhf_core.stages.result import StageResult, read_metrics
 from rlhf_core.training.host_allocator import keep_freed_memory
+
+
+def start_training_command(
+    stage: str,
+    default_out: Path,
+    params: Path,
+    config: list[Path] | None,
+    overrides: list[str] | None,
+    out: Path | None,
+    restart: bool,
+) -> tuple[Config, Path]:
+    """What every training command (`rlhf sft`, `train-rm`, `judge-rm`, `ppo`) does first: resolve the config,
+    choose the output directory (`--out`, else `default_out`) and, with `--restart`, discard its checkpoints.
+
+    The config is resolved first, so a bad key fails before any checkpoint is deleted.
+    """
+    from rlhf_core.stages.training_run import discard_checkpoints  # inside: `rlhf --help` stays fast
+
+    resolved = resolve_config(params, config, overrides)
+    out_dir = out if out is not None else default_out
+    if restart:
+        discard_checkpoints(out_dir, stage)
+    return resolved, out_dir
 
 
 def run_training_stage(

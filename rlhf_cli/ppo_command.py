@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from rlhf_cli.launching import run_training_stage
+from rlhf_cli.launching import run_training_stage, start_training_command
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -22,7 +22,6 @@ from rlhf_cli.options import (
     RmDirOption,
     SetOption,
     SftDirOption,
-    resolve_config,
 )
 
 
@@ -38,12 +37,8 @@ def ppo(
 ) -> None:
     """PPO-max against the reward model; the output is the validated policy the selection rule chose."""
     from rlhf_core.stages.ppo import guard_message, run_ppo
-    from rlhf_core.stages.training_run import discard_checkpoints
 
-    resolved = resolve_config(params, config, set_)
-    out_dir = out if out is not None else Path("artifacts/ppo")
-    if restart:
-        discard_checkpoints(out_dir, "ppo")
+    resolved, out_dir = start_training_command("ppo", Path("artifacts/ppo"), params, config, set_, out, restart)
     result = run_training_stage(
         "ppo",
         resolved,

@@ -21,8 +21,8 @@ import typer
 from pydantic import ValidationError
 
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
-from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
+from rlhf_cli.in_process import flow_here
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
 
 
 OverrideOption = Annotated[
@@ -52,8 +52,7 @@ def promote(
     3: refused (rejected by the gate, or nothing to roll back; the reason is printed);
     1: an error; 2: a usage error.
     """
-    resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
+    with flow_here(params, config, set_, runs_dir) as start:
         # Imported inside: Prefect reads the temporary server's settings when first imported.
         from flows.promote import PromoteSettings, rlhf_promote
 
@@ -62,10 +61,7 @@ def promote(
                 mode="rollback" if rollback else "evaluate",
                 override=override,
                 reason=reason,
-                config=[str(path) for path in config or []],
-                overrides=list(set_ or []),
-                params_file=str(params),
-                runs_dir=str(runs_dir),
+                **start.shared_settings,
             )
         except ValidationError as error:  # the form's rules (flows/promote.py), before the flow starts
             raise typer.BadParameter(error.errors()[0]["msg"].removeprefix("Value error, ")) from None

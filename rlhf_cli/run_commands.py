@@ -28,8 +28,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlhf_cli.in_process import in_process_flow
-from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption, resolve_config
+from rlhf_cli.in_process import flow_here
+from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
 from rlhf_cli.quiet_libraries import silence_libraries
 
 DataOption = Annotated[
@@ -59,20 +59,14 @@ def run(
     stage: StageOption = None,
 ) -> None:
     """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""
-    resolved = resolve_config(params, config, set_)  # a bad key fails here, before any service is asked
-    with in_process_flow(runs_dir, resolved.tracking.tracking_uri):
+    with flow_here(params, config, set_, runs_dir) as start:
         # Imported inside: importing the flows already makes libraries warn.
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
         from rlhf_core.stages.prepare_data import resolve_sources
 
-        resolve_sources(data or resolved.data.source, resolved)  # a missing local input: one line, before Prefect
+        resolve_sources(data or start.config.data.source, start.config)  # a missing local input: one line, before Prefect
         settings = PipelineSettings(
-            config=[str(path) for path in config or []],
-            overrides=list(set_ or []),
-            data=data,
-            stages=[Stage(name) for name in stage] if stage else list(Stage),
-            params_file=str(params),
-            runs_dir=str(runs_dir),
+            **start.shared_settings, data=data, stages=[Stage(name) for name in stage] if stage else list(Stage)
         )
         typer.echo(rlhf_pipeline(settings).summary())
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from rlhf_cli.launching import run_training_stage
+from rlhf_cli.launching import run_training_stage, start_training_command
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -51,12 +51,8 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
     from rlhf_core.stages.sft import run_sft
-    from rlhf_core.stages.training_run import discard_checkpoints
 
-    resolved = resolve_config(params, config, set_)
-    out_dir = out if out is not None else Path("artifacts/sft")
-    if restart:
-        discard_checkpoints(out_dir, "sft")
+    resolved, out_dir = start_training_command("sft", Path("artifacts/sft"), params, config, set_, out, restart)
     result = run_training_stage(
         "sft", resolved, out_dir, lambda: run_sft(resolved, data_dir, out_dir), data_dir=data_dir
     )
@@ -84,12 +80,8 @@ def train_rm(
 ) -> None:
     """Train the reward model (ranking loss + beta_rm * LM loss); keep the best by validation accuracy."""
     from rlhf_core.stages.reward import run_train_rm
-    from rlhf_core.stages.training_run import discard_checkpoints
 
-    resolved = resolve_config(params, config, set_)
-    out_dir = out if out is not None else Path("artifacts/reward")
-    if restart:
-        discard_checkpoints(out_dir, "reward")
+    resolved, out_dir = start_training_command("reward", Path("artifacts/reward"), params, config, set_, out, restart)
     result = run_training_stage(
         "reward",
         resolved,
@@ -116,12 +108,8 @@ def judge_rm(
 ) -> None:
     """Train the independent judge reward model on the PPO-prompt split (from the base model) to judge with."""
     from rlhf_core.stages.judge_reward import run_judge_rm
-    from rlhf_core.stages.training_run import discard_checkpoints
 
-    resolved = resolve_config(params, config, set_)
-    out_dir = out if out is not None else Path("artifacts/judge_reward")
-    if restart:
-        discard_checkpoints(out_dir, "judge-reward")
+    resolved, out_dir = start_training_command("judge-reward", Path("artifacts/judge_reward"), params, config, set_, out, restart)
     keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
     metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
     typer.echo(
