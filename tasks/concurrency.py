@@ -12,8 +12,9 @@ a lease that the holding process renews while it trains. A process that is kille
 slot; the server takes it back once the lease runs out, LEASE_SECONDS (5 minutes; the environment
 variable RLHF_TRAINING_LEASE_SECONDS changes it, 60 at least) after the last renewal.
 
-Without one (`rlhf run` and `rlhf ablate` on Prefect's temporary server) the slot is an exclusive
-`flock` on `<PREFECT_HOME>/<limit name>.lock`. The temporary server cannot hold the slot: it does not
+Without one (`rlhf run` and `rlhf ablate` on Prefect's temporary server) the slot is the exclusive
+file lock of rlhf_core/file_lock.py on `<PREFECT_HOME>/<limit name>.lock`, whose record names the
+stage holding it (pid, host, start time) to the stage that waits. The temporary server cannot hold the slot: it does not
 run Prefect's lease reaper (the repossessor is not among the services of an ephemeral server), so the
 slot of a run killed while it trained stayed taken in PREFECT_HOME's database for good and every later
 run waited forever. The kernel releases a `flock` when its holder dies, however it dies.
@@ -21,7 +22,6 @@ run waited forever. The kernel releases a `flock` when its holder dies, however 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import socket
@@ -35,6 +35,8 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.logging import get_logger
 from prefect.settings import get_current_settings
+
+from rlhf_core.file_lock import LockTakenError, acquire_lock
 
 TRAINING_SLOTS = 1
 LIMIT_PREFIX = "rlhf-training"
@@ -65,11 +67,12 @@ def ensure_training_limit(name: str, slots: int = TRAINING_SLOTS) -> None:
 
 
 @contextmanager
-def training_slot(name: str | None = None) -> Iterator[None]:
-    """Hold one slot of this machine's training limit for the duration of the block (module docstring)."""
+def training_slot(stage: str, name: str | None = None) -> Iterator[None]:
+    """Hold one slot of this machine's training limit for `stage` for the duration of the block (module
+    docstring)."""
     limit = name or training_limit_name()
     if get_current_settings().api.url is None:  # Prefect's temporary server
-        with training_lock(Path(get_current_settings().home) / f"{limit}.lock"):
+        with training_lock(Path(get_current_settings().home) / f"{limit}.lock", stage):
             yield
         return
     ensure_training_limit(limit)
@@ -78,24 +81,16 @@ def training_slot(name: str | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def training_lock(path: Path) -> Iterator[None]:
-    """An exclusive `flock` on `path` for the block; says whom it waits for when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            logger.info("waiting for this machine's training slot, held by %s (%s)", holder, path)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            handle.truncate(0)
-            handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-            handle.flush()
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def training_lock(path: Path, stage: str) -> Iterator[None]:
+    """The file lock on `path` for `stage` for the block; says whom it waits for when another process holds it."""
+    try:
+        lock = acquire_lock(path, stage)
+    except LockTakenError as taken:
+        holder = taken.holder.describe() if taken.holder is not None else "another process"
+        logger.info("waiting for this machine's training slot, held by %s (%s)", holder, path)
+        lock = acquire_lock(path, stage, wait=True)
+    with lock:
+        yield
 
 
 def lease_seconds() -> float:

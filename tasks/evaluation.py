@@ -162,7 +162,7 @@ def evaluate_task(
     """Model A against model B on the eval split of `data` (rlhf_core.stages.evaluate); `names` label
     them in the report (they do not enter the cache key)."""
     inputs = {"data": data, "model_a": model_a, "model_b": model_b, "judge": judge.reward}
-    with training_slot(), tracked_stage("evaluate", config, context, inputs) as run:
+    with training_slot("evaluate"), tracked_stage("evaluate", config, context, inputs) as run:
         run_evaluate(
             config,
             data.out_dir,

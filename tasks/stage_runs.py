@@ -145,7 +145,8 @@ def tracked_training_stage(
     """
     key = stage_cache_key(stage, config, STAGE_SECTIONS[stage], input_hashes)
     run_tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {}), **(tags or {})}
-    with training_slot(), stage_run(context.tracking, stage, stage_params(stage, config), run_tags, run_name) as run_id:
+    params = stage_params(stage, config)
+    with training_slot(stage), stage_run(context.tracking, stage, params, run_tags, run_name) as run_id:
         keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
         out_dir = claim_out_dir(context.cache_dir, key, context.run_dir / OUTPUT_DIRS[stage])
         yield StageRun(stage, out_dir, run_id, context.tracking.client(), context.tracking)

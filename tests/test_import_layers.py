@@ -44,8 +44,9 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "config": set(),
     "atomic": set(),
     "c_library": set(),
+    "file_lock": set(),
     "layout": set(),
-    "output_lock": set(),
+    "output_lock": {"file_lock"},
     "progress": set(),
     "statistics": set(),
 }  # fmt: skip

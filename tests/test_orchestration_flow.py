@@ -215,7 +215,7 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
 
 def test_training_slot_admits_one_training_stage_at_a_time(prefect_api: str) -> None:
     name = "rlhf-training-test-host"
-    with training_slot(name):
+    with training_slot("sft", name):
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(name)
         assert (limit.limit, limit.active, limit.active_slots) == (1, True, 1)

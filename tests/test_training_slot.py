@@ -1,4 +1,5 @@
-"""The machine's training slot without a Prefect server: an exclusive file lock (tasks/concurrency.py).
+"""The machine's training slot without a Prefect server: an exclusive file lock (tasks/concurrency.py, the
+lock of rlhf_core/file_lock.py).
 
 With Prefect's temporary server the slot cannot be a global concurrency limit: that server does not
 reap the leases of killed holders, so one killed run kept every later run waiting forever. These tests
@@ -9,6 +10,7 @@ test_ablation_kill_resume.py) check that a killed run's slot does not stop the r
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import threading
@@ -36,15 +38,16 @@ def is_locked(path: Path) -> bool:
 
 def test_the_lock_is_held_inside_the_block_names_its_holder_and_is_free_after(tmp_path: Path) -> None:
     path = tmp_path / "locks" / "rlhf-training-host.lock"
-    with training_lock(path):
+    with training_lock(path, "sft"):
         assert is_locked(path)
-        assert path.read_text() == f"pid {os.getpid()} on host {os.uname().nodename}\n"
+        record = json.loads(path.read_text())
+        assert (record["pid"], record["host"], record["stage"]) == (os.getpid(), os.uname().nodename, "sft")
     assert not is_locked(path)
 
 
 def test_the_lock_is_released_when_the_block_raises(tmp_path: Path) -> None:
     path = tmp_path / "rlhf-training-host.lock"
-    with pytest.raises(RuntimeError), training_lock(path):
+    with pytest.raises(RuntimeError), training_lock(path, "sft"):
         raise RuntimeError("training failed")
     assert not is_locked(path)
 
@@ -59,7 +62,7 @@ def test_a_second_holder_waits_for_the_first_and_says_whom_it_waits_for(tmp_path
     concurrency.logger.setLevel(logging.INFO)
     order: list[str] = []
     try:
-        with training_lock(path):
+        with training_lock(path, "sft"):
             second = threading.Thread(target=lambda: _hold(path, order), daemon=True)
             second.start()
             for _ in range(WAIT_POLLS):  # until the second holder finds the lock taken and logs why it waits
@@ -72,16 +75,18 @@ def test_a_second_holder_waits_for_the_first_and_says_whom_it_waits_for(tmp_path
         concurrency.logger.removeHandler(handler)
         concurrency.logger.setLevel(level)
     assert order == ["first released", "second acquired"]
-    assert messages == [f"waiting for this machine's training slot, held by pid {os.getpid()} on host {os.uname().nodename} ({path})"]
+    assert len(messages) == 1
+    waiting = f"waiting for this machine's training slot, held by pid {os.getpid()} on host {os.uname().nodename} (stage sft, started 20"
+    assert messages[0].startswith(waiting) and messages[0].endswith(f") ({path})")
 
 
 def _hold(path: Path, order: list[str]) -> None:
-    with training_lock(path):
+    with training_lock(path, "reward"):
         order.append("second acquired")
 
 
 def test_without_a_prefect_server_the_slot_is_the_lock_under_prefect_home(tmp_path: Path) -> None:
     with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_HOME: str(tmp_path)}):
-        with training_slot("rlhf-training-test-host"):
+        with training_slot("sft", "rlhf-training-test-host"):
             assert is_locked(tmp_path / "rlhf-training-test-host.lock")
     assert not is_locked(tmp_path / "rlhf-training-test-host.lock")
