@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from rlhf_core.reward.length_metrics import LengthSkill, length_skill
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
-from rlhf_core.stages.training_run import MODEL_DIR
+from rlhf_core.layout import MODEL_DIR
 
 HEADER = (
     "| reward model | pairs | accuracy | length rule | balanced | chosen shorter / longer | length-matched (n, 95% CI) "

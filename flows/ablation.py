@@ -45,6 +45,7 @@ from rlhf_core.ablation.grid import (
     read_grid,
 )
 from rlhf_core.config import Config
+from rlhf_core.layout import RUNS_DIR
 from tasks.ablation import (
     REMOTE_STAGE,
     VariantOutcome,
@@ -101,7 +102,7 @@ class AblationSettings(BaseModel):
     config: list[str] = Field(default_factory=list, description="Overlay YAML files for the base configuration.")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides of the base configuration.")
     params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field("runs", description="Where the ablation's directory and the stage cache are written.")
+    runs_dir: str = Field(str(RUNS_DIR), description="Where the ablation's directory and the stage cache are written.")
     remote: RemoteStages = Field(
         default_factory=RemoteStages,
         description="stages: [ppo] runs the variants on the rlhf-stage deployment's pool (files via remote.store).",

@@ -31,6 +31,8 @@ from flows.pipeline import rlhf_pipeline
 from flows.promote import rlhf_promote
 from flows.remote_stage import rlhf_stage
 from flows.retrain import rlhf_retrain
+from rlhf_core.evaluation.outputs import GENERATIONS_FILE
+from rlhf_core.layout import HUMAN_EVAL_DIR, default_output_dir
 from tasks.data_events import DATA_PUSHED_EVENT, RESOURCE_PREFIX
 from tasks.remote import STAGE_DEPLOYMENT_NAME
 
@@ -39,6 +41,7 @@ RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00
 RETRAIN_TIMEZONE = "UTC"
 CPU_POOL = "rlhf-cpu"
 GPU_POOL = "rlhf-gpu"
+EVAL_GENERATIONS = default_output_dir("evaluate") / GENERATIONS_FILE  # what `rlhf eval` writes by default
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         flow=rlhf_human_eval,
         entrypoint="flows/human_eval.py:rlhf_human_eval",
         description="People judge model A against model B pair by pair in forms; rerun on the same out_dir to resume.",
-        parameters={"settings": {"generations": "artifacts/eval/generations.jsonl", "out_dir": "artifacts/human-eval"}},
+        parameters={"settings": {"generations": str(EVAL_GENERATIONS), "out_dir": str(HUMAN_EVAL_DIR)}},
     ),
     DeploymentSpec(
         name="rlhf-ablation",

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows.stage_clock import StageClock
 from rlhf_core.config import Config, load_config
+from rlhf_core.layout import RUNS_DIR
 from tasks.caching import with_cache_dir
 from tasks.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
@@ -101,7 +102,7 @@ class PipelineSettings(BaseModel):
         description="Stages to run; the stages they depend on run too (cache hits when unchanged).",
     )
     params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+    runs_dir: str = Field(str(RUNS_DIR), description="Where run directories and the stage cache are written.")
     remote: RemoteStages = Field(
         default_factory=RemoteStages,
         description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.config import Config, load_config
+from rlhf_core.layout import RUNS_DIR
 from tasks.caching import with_cache_dir
 from tasks.evaluation import evaluate_task
 from tasks.lineage import flow_run_tags
@@ -92,7 +93,7 @@ class PromoteSettings(BaseModel):
     config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
     params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+    runs_dir: str = Field(str(RUNS_DIR), description="Where run directories and the stage cache are written.")
 
     @model_validator(mode="after")
     def _override_needs_a_reason(self) -> PromoteSettings:

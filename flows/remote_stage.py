@@ -23,10 +23,11 @@ from botocore.client import BaseClient
 from prefect import Task, flow, get_run_logger
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
+from rlhf_core.layout import RUNS_DIR, stage_output_dir
 from tasks.caching import with_cache_dir
 from tasks.outputs import StageOutput
 from tasks.remote import STAGE_FLOW_NAME, StageRequest
-from tasks.stage_runs import OUTPUT_DIRS, StageContext
+from tasks.stage_runs import StageContext
 from tasks.stages import ppo_task, reward_task, sft_task
 from tasks.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
 
@@ -36,14 +37,14 @@ STAGE_TASKS: dict[str, Task[..., StageOutput]] = {"sft": sft_task, "reward": rew
 def fetch_input(uri: str, run_dir: Path, client: BaseClient) -> StageOutput:
     """Download the stored output at `uri` into its stage's directory of `run_dir`."""
     stored = read_stored(uri, client)
-    return download_output(stored, run_dir / OUTPUT_DIRS[stored.stage], client)
+    return download_output(stored, stage_output_dir(run_dir, stored.stage), client)
 
 
 @flow(
     name=STAGE_FLOW_NAME,
     description="One training stage (SFT, reward model or PPO) on this work pool, inputs and output by s3:// URI.",
 )
-def rlhf_stage(request: StageRequest, runs_dir: str = "runs") -> StoredOutput:
+def rlhf_stage(request: StageRequest, runs_dir: str = str(RUNS_DIR)) -> StoredOutput:
     """Run the requested stage here; see the module docstring for the steps."""
     logger = get_run_logger()
     client = s3_client()

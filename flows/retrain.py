@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
 from flows.promote import PromoteSettings, rlhf_promote
+from rlhf_core.layout import RUNS_DIR
 from tasks import dvc_data
 from tasks.preflight import check_services, dvc_remote_services
 from tasks.promotion import PromotionResult
@@ -49,7 +50,7 @@ class RetrainSettings(BaseModel):
     config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
     overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
     params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field("runs", description="Where run directories and the stage cache are written.")
+    runs_dir: str = Field(str(RUNS_DIR), description="Where run directories and the stage cache are written.")
     remote: RemoteStages = Field(
         default_factory=RemoteStages,
         description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",

@@ -22,7 +22,7 @@ import typer
 
 from rlhf_cli.in_process import flow_here
 from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
-
+from rlhf_core.layout import RUNS_DIR
 GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
 BaseOption = Annotated[
     Optional[str],
@@ -52,7 +52,7 @@ def ablate(
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
-    runs_dir: RunsDirOption = Path("runs"),
+    runs_dir: RunsDirOption = RUNS_DIR,
     remote_store: RemoteStoreOption = None,
 ) -> None:
     """Run PPO once per variant of a grid on one base, evaluate each against SFT, and compare them."""

@@ -32,13 +32,14 @@ from typing import Annotated, Optional
 import typer
 
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
-from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config
+from rlhf_cli.options import ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import Config
+from rlhf_core.layout import default_output_dir
 
 MODELS_URI_PREFIX = "models:/"
 REGISTRY_CACHE_SUBDIR = Path("registry")  # under $RLHF_CACHE_DIR, beside the converted packaged models
-DEFAULT_DATA_DIR = Path("artifacts/data")
-DEFAULT_RM_DIR = "artifacts/reward"
+DEFAULT_DATA_DIR = default_output_dir("prepare-data")
+DEFAULT_RM_DIR = str(default_output_dir("reward"))
 SAME_MODEL = "model A and model B are the same model (content sha256 {}): every pair would be a tie"
 
 
@@ -174,7 +175,7 @@ def eval_command(
         data,
         dir_a,
         dir_b,
-        out if out is not None else Path("artifacts/eval"),
+        stage_dir(out, "evaluate"),
         judge=chosen,
         rm_dir=local_model(judge_rm, resolved) if judge_rm is not None else None,
         rm_in_sample=False if rm_independent else None,

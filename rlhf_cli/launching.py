@@ -14,15 +14,15 @@ from pathlib import Path
 
 import typer
 
-from rlhf_cli.options import resolve_config
+from rlhf_cli.options import resolve_config, stage_dir
 from rlhf_core.config import Config
+from rlhf_core.layout import MODEL_DIR
 from rlhf_core.stages.result import StageResult, read_metrics
 from rlhf_core.training.host_allocator import keep_freed_memory
 
 
 def start_training_command(
     stage: str,
-    default_out: Path,
     params: Path,
     config: list[Path] | None,
     overrides: list[str] | None,
@@ -30,14 +30,15 @@ def start_training_command(
     restart: bool,
 ) -> tuple[Config, Path]:
     """What every training command (`rlhf sft`, `train-rm`, `judge-rm`, `ppo`) does first: resolve the config,
-    choose the output directory (`--out`, else `default_out`) and, with `--restart`, discard its checkpoints.
+    choose the output directory (`--out`, else the stage's under `artifacts/`) and, with `--restart`, discard
+    its checkpoints.
 
     The config is resolved first, so a bad key fails before any checkpoint is deleted.
     """
     from rlhf_core.stages.training_run import discard_checkpoints  # inside: `rlhf --help` stays fast
 
     resolved = resolve_config(params, config, overrides)
-    out_dir = out if out is not None else default_out
+    out_dir = stage_dir(out, stage)
     if restart:
         discard_checkpoints(out_dir, stage)
     return resolved, out_dir
@@ -60,7 +61,7 @@ def run_training_stage(
     from rlhf_core.distributed.launcher import launch_stage
 
     launch_stage(stage, config, out_dir, echo_rank_line, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
-    return StageResult(out_dir=out_dir, metrics=read_metrics(out_dir), model_dir=out_dir / "model")
+    return StageResult(out_dir=out_dir, metrics=read_metrics(out_dir), model_dir=out_dir / MODEL_DIR)
 
 
 def echo_rank_line(rank: int | None, line: str) -> None:

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import IO, ParamSpec
 
 from rlhf_cli.quiet_libraries import silence_libraries_unless_watched
+from rlhf_core.layout import RUNS_DIR
 
 TERMINAL_LOGGERS = ("prefect", "rlhf_core", "tasks", "flows", "rlhf_cli")
 SELF_HANDLED_LOGGERS = ("mlflow", "DeepSpeed", "transformers", "py.warnings")
 PREFECT_SENDER_LOGGERS = ("EventsWorker", "APILogWorker")
 LOG_DIR_NAME = "logs"
-COMMAND_RUNS_DIR = Path("runs")  # the stage commands' logs go under it, beside `rlhf run`'s (its default runs dir)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DIVERTED = "_rlhf_diverted"  # set on a record once written to the file, so no second filter writes it again
 
@@ -152,7 +152,8 @@ def with_library_log(command: str) -> Callable[[Callable[P, None]], Callable[P, 
     def decorate(function: Callable[P, None]) -> Callable[P, None]:
         @functools.wraps(function)
         def logged(*args: P.args, **kwargs: P.kwargs) -> None:
-            with library_log(run_log_path(COMMAND_RUNS_DIR, command)):
+            # under the default runs dir, beside `rlhf run`'s logs
+            with library_log(run_log_path(RUNS_DIR, command)):
                 function(*args, **kwargs)
 
         return logged

@@ -67,7 +67,7 @@ def prepare_data(
     from rlhf_core.stages.prepare_data import run_prepare_data
 
     resolved = resolve_config(params, config, set_)
-    report = run_prepare_data(resolved, stage_dir(out, "data"), source=data)
+    report = run_prepare_data(resolved, stage_dir(out, "prepare-data"), source=data)
     typer.echo(report.summary())
 
 

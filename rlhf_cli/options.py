@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlhf_core.config import Config, load_config
+from rlhf_core.layout import default_output_dir
 
 # Click's plain help layout rather than Rich's tables: Rich prints a type tag (`<bool>`, `<str>`) beside
 # every option, flags and `--help` included; plain help shows each option's metavar below and nothing
@@ -50,5 +51,5 @@ def resolve_config(params: Path, config: list[Path] | None, overrides: list[str]
 
 
 def stage_dir(out: Path | None, stage: str) -> Path:
-    """Where a stage writes: `--out` if given, else `artifacts/<stage>/`."""
-    return out if out is not None else Path("artifacts") / stage
+    """Where a stage writes: `--out` if given, else its directory under `artifacts/` (rlhf_core/layout.py)."""
+    return out if out is not None else default_output_dir(stage)

@@ -23,12 +23,13 @@ from rlhf_cli.options import (
     SetOption,
     SftDirOption,
 )
+from rlhf_core.layout import default_output_dir
 
 
 def ppo(
-    data_dir: DataDirOption = Path("artifacts/data"),
-    sft_dir: SftDirOption = Path("artifacts/sft"),
-    rm_dir: RmDirOption = Path("artifacts/reward"),
+    data_dir: DataDirOption = default_output_dir("prepare-data"),
+    sft_dir: SftDirOption = default_output_dir("sft"),
+    rm_dir: RmDirOption = default_output_dir("reward"),
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -38,7 +39,7 @@ def ppo(
     """PPO-max against the reward model; the output is the validated policy the selection rule chose."""
     from rlhf_core.stages.ppo import guard_message, run_ppo
 
-    resolved, out_dir = start_training_command("ppo", Path("artifacts/ppo"), params, config, set_, out, restart)
+    resolved, out_dir = start_training_command("ppo", params, config, set_, out, restart)
     result = run_training_stage(
         "ppo",
         resolved,

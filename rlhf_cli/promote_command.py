@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.in_process import flow_here
 from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
-
+from rlhf_core.layout import RUNS_DIR
 
 OverrideOption = Annotated[
     bool, typer.Option("--override", help="Promote the challenger even if it fails the gate (needs --reason).")
@@ -43,7 +43,7 @@ def promote(
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
-    runs_dir: RunsDirOption = Path("runs"),
+    runs_dir: RunsDirOption = RUNS_DIR,
 ) -> None:
     """Gate the challenger policy against the champion and promote it, or roll the champion back.
 

@@ -31,6 +31,7 @@ import typer
 from rlhf_cli.in_process import flow_here
 from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
 from rlhf_cli.quiet_libraries import silence_libraries
+from rlhf_core.layout import RUNS_DIR
 
 DataOption = Annotated[
     Optional[str],
@@ -55,7 +56,7 @@ def run(
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
-    runs_dir: RunsDirOption = Path("runs"),
+    runs_dir: RunsDirOption = RUNS_DIR,
     stage: StageOption = None,
 ) -> None:
     """Run the whole pipeline (prepare data, SFT, reward model, PPO-max, evaluate, register) and say where it all is."""

@@ -24,6 +24,7 @@ from rlhf_cli.options import (
     SftDirOption,
     resolve_config,
 )
+from rlhf_core.layout import default_output_dir
 from rlhf_core.training.host_allocator import keep_freed_memory
 
 
@@ -42,7 +43,7 @@ def _selection_note(metrics: dict[str, float]) -> str:
 
 
 def sft(
-    data_dir: DataDirOption = Path("artifacts/data"),
+    data_dir: DataDirOption = default_output_dir("prepare-data"),
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -52,7 +53,7 @@ def sft(
     """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
     from rlhf_core.stages.sft import run_sft
 
-    resolved, out_dir = start_training_command("sft", Path("artifacts/sft"), params, config, set_, out, restart)
+    resolved, out_dir = start_training_command("sft", params, config, set_, out, restart)
     result = run_training_stage(
         "sft", resolved, out_dir, lambda: run_sft(resolved, data_dir, out_dir), data_dir=data_dir
     )
@@ -70,8 +71,8 @@ def sft(
 
 
 def train_rm(
-    data_dir: DataDirOption = Path("artifacts/data"),
-    sft_dir: SftDirOption = Path("artifacts/sft"),
+    data_dir: DataDirOption = default_output_dir("prepare-data"),
+    sft_dir: SftDirOption = default_output_dir("sft"),
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -81,7 +82,7 @@ def train_rm(
     """Train the reward model (ranking loss + beta_rm * LM loss); keep the best by validation accuracy."""
     from rlhf_core.stages.reward import run_train_rm
 
-    resolved, out_dir = start_training_command("reward", Path("artifacts/reward"), params, config, set_, out, restart)
+    resolved, out_dir = start_training_command("reward", params, config, set_, out, restart)
     result = run_training_stage(
         "reward",
         resolved,
@@ -99,7 +100,7 @@ def train_rm(
 
 
 def judge_rm(
-    data_dir: DataDirOption = Path("artifacts/data"),
+    data_dir: DataDirOption = default_output_dir("prepare-data"),
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -109,7 +110,7 @@ def judge_rm(
     """Train the independent judge reward model on the PPO-prompt split (from the base model) to judge with."""
     from rlhf_core.stages.judge_reward import run_judge_rm
 
-    resolved, out_dir = start_training_command("judge-reward", Path("artifacts/judge_reward"), params, config, set_, out, restart)
+    resolved, out_dir = start_training_command("judge-reward", params, config, set_, out, restart)
     keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
     metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
     typer.echo(

@@ -38,6 +38,7 @@ from rlhf_core.ablation.grid import AblationPlan, ResolvedVariant
 from rlhf_core.ablation.report import COMPARISON_MD, flat_rows, write_report
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config
+from rlhf_core.layout import STAGE_DIRS, stage_output_dir
 from tasks.ablation_base import AblationBase
 from tasks.caching import StageCachePolicy, with_cache_dir
 from tasks.evaluation import JudgeSpec, evaluate_task
@@ -51,7 +52,7 @@ from tasks.remote import (
     upload_inputs,
 )
 from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
-from tasks.stage_runs import OUTPUT_DIRS, STAGE_SECTIONS, StageContext, content_hashes, tracked_training_stage
+from tasks.stage_runs import STAGE_SECTIONS, StageContext, content_hashes, tracked_training_stage
 from tasks.stages import STAGE_TASK_OPTIONS, train_ppo
 from tasks.tracking import MlflowLogger
 from tasks.transfer import download_output, join_uri, s3_client
@@ -117,11 +118,11 @@ def remote_variant_task(
         stage=REMOTE_STAGE,
         config=config,
         inputs=uploaded,
-        destination=join_uri(remote.store, "ablations", ablation, variant, OUTPUT_DIRS["ppo"]),
+        destination=join_uri(remote.store, "ablations", ablation, variant, STAGE_DIRS["ppo"]),
         tracking=context.tracking,
     )
     stored, flow_run_id = run_remotely(request, remote.deployment, f"ppo-{ablation}-{variant}", client)
-    output = download_output(stored, context.run_dir / OUTPUT_DIRS["ppo"], client)
+    output = download_output(stored, stage_output_dir(context.run_dir, "ppo"), client)
     record_remote_origin(context.tracking, f"ppo.{variant}", stored, flow_run_id)
     if output.mlflow_run_id is not None:
         name_variant_run(context.tracking, output.mlflow_run_id, variant, variant)

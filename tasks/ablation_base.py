@@ -30,6 +30,7 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict
 
+from rlhf_core.layout import MODEL_DIR, stage_output_dir
 from tasks.evaluation import is_registry_uri, registered_version, resolve_model_output
 from tasks.lineage import (
     CONFIG_TAG,
@@ -42,7 +43,6 @@ from tasks.lineage import (
 from tasks.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG
 from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.registry import PIPELINE_RUN_TAG
-from tasks.stage_runs import OUTPUT_DIRS
 
 REQUIRED_STAGES = ("prepare-data", "sft", "reward")
 JUDGE_STAGE = "judge-reward"
@@ -50,7 +50,6 @@ OPTION_OF_STAGE = {"prepare-data": "data", "sft": "sft", "reward": "reward", JUD
 DATA_LINEAGE = (DATA_VERSION_TAG, DATA_SOURCE_TAG, DATA_VERSION_KIND_TAG)
 COPIED_LINEAGE = (GIT_COMMIT_TAG, CONFIG_TAG, *DATA_LINEAGE, FLOW_RUN_ID_TAG)
 BASE_TAG_PREFIX = "base."
-MODEL_SUBDIR = "model"
 MLFLOW_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what MLflow names a run by (uuid4 hex)
 
 
@@ -163,7 +162,7 @@ def stage_directories(base: str | None, run: Run | None) -> dict[str, str]:
     }
     if base is not None and Path(base).is_dir():
         for stage in OPTION_OF_STAGE:
-            local = Path(base) / OUTPUT_DIRS[stage]
+            local = stage_output_dir(Path(base), stage)
             if (local / COMPLETE_MARKER).is_file():
                 found[stage] = str(local)
     return found
@@ -175,8 +174,8 @@ def check_stage_directory(stage: str, out_dir: Path) -> None:
         raise FileNotFoundError(f"the base's {stage} output {out_dir}: no such directory")
     if not (out_dir / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"the base's {stage} output {out_dir} is not a complete stage output (no {COMPLETE_MARKER})")
-    if stage != "prepare-data" and not (out_dir / MODEL_SUBDIR).is_dir():
-        raise FileNotFoundError(f"the base's {stage} output {out_dir} has no {MODEL_SUBDIR}/ directory")
+    if stage != "prepare-data" and not (out_dir / MODEL_DIR).is_dir():
+        raise FileNotFoundError(f"the base's {stage} output {out_dir} has no {MODEL_DIR}/ directory")
 
 
 def missing_inputs_message(base: str | None, missing: list[str]) -> str:
@@ -192,7 +191,7 @@ def stage_output(stage: str, directory: str, run: Run | None) -> StageOutput:
     """A finished stage's output directory as the StageOutput the pipeline made of it."""
     out_dir = Path(directory).resolve()
     check_stage_directory(stage, out_dir)
-    model_dir = None if stage == "prepare-data" else out_dir / MODEL_SUBDIR
+    model_dir = None if stage == "prepare-data" else out_dir / MODEL_DIR
     run_id = run.data.tags.get(f"stage.{stage}.run_id") if run is not None else None
     return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir, mlflow_run_id=run_id)
 

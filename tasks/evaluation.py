@@ -45,19 +45,17 @@ from pydantic import BaseModel, ConfigDict
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import Config
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
-from rlhf_core.evaluation.outputs import read_jsonl
-from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
-from rlhf_core.reward.training_data import TRAINING_DATA_FILE, write_training_data
-from rlhf_core.stages.evaluate import (
+from rlhf_core.evaluation.outputs import (
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
     MATCHED_VERDICTS_FILE,
-    PLOT_FILE,
-    REPORT_JSON,
-    REPORT_MD,
     VERDICTS_FILE,
-    run_evaluate,
+    read_jsonl,
 )
+from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
+from rlhf_core.layout import MODEL_DIR
+from rlhf_core.reward.training_data import TRAINING_DATA_FILE, write_training_data
+from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_JSON, REPORT_MD, run_evaluate
 from rlhf_core.stages.ppo import REWARD_RECORD_FILE
 from tasks.artifacts import publish_table
 from tasks.caching import StageCachePolicy
@@ -75,6 +73,11 @@ PAIRS_TABLE = "pairs.json"
 # about the model, not part of it, so they stay out of its content hash (`downloaded_model_sha256`).
 REBUILT_FILES = frozenset({REWARD_RECORD_FILE, TRAINING_DATA_FILE})
 EVALUATED = "evaluated"
+# MLflow's layout of a downloaded model (not the stages' layout, rlhf_core/layout.py): a pyfunc keeps its
+# artifacts under `artifacts/`; the transformers flavour its weights under `model/`, its tokenizer beside.
+PYFUNC_ARTIFACTS_DIR = "artifacts"
+TRANSFORMERS_MODEL_DIR = "model"
+TRANSFORMERS_TOKENIZER_DIR = Path("components") / "tokenizer"
 EVALUATION_TAG_PREFIX = "evaluation."
 # The figures of metrics.json that go on the evaluated version as tags, the length-controlled ones first.
 HEADLINE_FIGURES = (
@@ -371,10 +374,10 @@ def copy_model_files(download: Path, target: Path) -> None:
     pipeline (transformers flavour) keeps its weights and config in `model/` and its tokenizer in
     `components/tokenizer/`.
     """
-    if (download / "model" / "config.json").is_file():
-        sources = [download / "model", download / "components" / "tokenizer"]
+    if (download / TRANSFORMERS_MODEL_DIR / "config.json").is_file():
+        sources = [download / TRANSFORMERS_MODEL_DIR, download / TRANSFORMERS_TOKENIZER_DIR]
     else:
-        sources = [path for path in (download / "artifacts").iterdir() if path.is_dir()]
+        sources = [path for path in (download / PYFUNC_ARTIFACTS_DIR).iterdir() if path.is_dir()]
         if len(sources) != 1:
             raise ValueError(f"{download}: not a policy or reward model logged by this pipeline")
     for source in sources:
@@ -387,7 +390,7 @@ def resolve_model_output(reference: str, tracking_uri: str, reward_model_name: s
         path = Path(reference).resolve()
         if not path.is_dir():
             raise FileNotFoundError(f"model {reference}: no such directory")
-        model_dir = path / "model" if (path / "model").is_dir() else path
+        model_dir = path / MODEL_DIR if (path / MODEL_DIR).is_dir() else path
         return StageOutput(stage=path.name, out_dir=path, sha256=directory_sha256(model_dir), model_dir=model_dir)
     client = MlflowClient(tracking_uri)
     return download_version(client, tracking_uri, registered_version(client, reference), reward_model_name, cache_root)

@@ -50,6 +50,8 @@ from rlhf_core.evaluation.judges.verdicts import Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.outputs import (
+    MATCHED_VERDICTS_FILE,
+    VERDICTS_FILE,
     GeneratedPair,
     generation_rows,
     matched_generation_rows,
@@ -62,14 +64,7 @@ from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_repo
 from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.stages.evaluate import (
-    MATCHED_VERDICTS_FILE,
-    PLOT_FILE,
-    REPORT_JSON,
-    REPORT_MD,
-    VERDICTS_FILE,
-    draw_replies,
-)
+from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_JSON, REPORT_MD, draw_replies
 from rlhf_core.stages.result import write_metrics
 from tasks.lineage import FLOW_RUN_ID_TAG, UNKNOWN
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_ROLE, STAGE_TAG, close_run, run_url

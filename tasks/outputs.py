@@ -18,9 +18,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-COMPLETE_MARKER = "metrics.json"  # written last by every stage: the output is complete iff it exists
-UNHASHED_DIRS = frozenset({"checkpoints", "plots"})
-UNHASHED_FILES = frozenset({"metrics.json", "history.jsonl", "history.params.json", "samples.jsonl"})
+from rlhf_core.layout import CHECKPOINTS_DIR, HISTORY_FILE, HISTORY_PARAMS_FILE, METRICS_FILE, PLOTS_DIR, SAMPLES_FILE
+
+COMPLETE_MARKER = METRICS_FILE  # written last by every stage: the output is complete iff it exists
+UNHASHED_DIRS = frozenset({CHECKPOINTS_DIR, PLOTS_DIR})
+UNHASHED_FILES = frozenset({METRICS_FILE, HISTORY_FILE, HISTORY_PARAMS_FILE, SAMPLES_FILE})
 READ_CHUNK_BYTES = 1 << 20
 
 

@@ -36,6 +36,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.models.model import ModelInfo
 from pydantic import BaseModel, ConfigDict
 
+from rlhf_core.layout import MODEL_DIR
 from rlhf_core.reward.training_data import TRAINING_DATA_FILE, RewardTrainingData, read_training_data
 from tasks.outputs import StageOutput
 from tasks.reward_scorer import MODEL_ARTIFACT
@@ -179,7 +180,7 @@ def lineage_output(tags: Mapping[str, str], stage: str) -> StageOutput:
     out_dir = Path(tags[key])
     if not out_dir.is_dir():
         raise FileNotFoundError(f"the {stage} output {out_dir} named by the version's lineage is not on this machine")
-    model_dir = out_dir / "model"
+    model_dir = out_dir / MODEL_DIR
     return StageOutput(
         stage=stage,
         out_dir=out_dir,

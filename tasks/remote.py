@@ -31,10 +31,11 @@ from prefect.deployments import run_deployment
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.config import Config
+from rlhf_core.layout import STAGE_DIRS, stage_output_dir
 from tasks.caching import with_cache_dir
 from tasks.mlflow_runs import TrackingTarget
 from tasks.outputs import StageOutput
-from tasks.stage_runs import OUTPUT_DIRS, StageContext
+from tasks.stage_runs import StageContext
 from tasks.transfer import S3_SCHEME, StoredOutput, download_output, ensure_uploaded, join_uri, read_stored, s3_client
 
 RemoteStageName = Literal["sft", "reward", "ppo"]
@@ -122,11 +123,11 @@ def remote_stage_task(
         stage=stage,
         config=config,
         inputs=upload_inputs(upstream, run_prefix, client),
-        destination=join_uri(run_prefix, OUTPUT_DIRS[stage]),
+        destination=join_uri(run_prefix, STAGE_DIRS[stage]),
         tracking=context.tracking,
     )
     stored, flow_run_id = run_remotely(request, remote.deployment, f"{stage}-{context.run_dir.name}", client)
-    output = download_output(stored, context.run_dir / OUTPUT_DIRS[stage], client)
+    output = download_output(stored, stage_output_dir(context.run_dir, stage), client)
     record_remote_origin(context.tracking, stage, stored, flow_run_id)
     logger.info("downloaded %s from %s into %s", stage, stored.uri, output.out_dir)
     return output
@@ -135,7 +136,7 @@ def remote_stage_task(
 def upload_inputs(upstream: dict[str, StageOutput | None], run_prefix: str, client: BaseClient) -> dict[str, str]:
     """Each upstream output under `run_prefix/<its stage directory>/` (unless already there): name -> URI."""
     return {
-        name: ensure_uploaded(output, join_uri(run_prefix, OUTPUT_DIRS[output.stage]), client).uri
+        name: ensure_uploaded(output, join_uri(run_prefix, STAGE_DIRS[output.stage]), client).uri
         for name, output in upstream.items()
         if output is not None
     }

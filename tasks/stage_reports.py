@@ -16,15 +16,13 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from rlhf_core.evaluation.outputs import read_jsonl
+from rlhf_core.layout import DATA_REPORT_FILE, METRICS_FILE, PLOTS_DIR, SAMPLES_FILE, SELECTION_FILE
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
-from rlhf_core.stages.result import METRICS_FILE
 from tasks.artifacts import publish_summary, publish_table, read_samples
 from tasks.outputs import StageOutput
 from tasks.tracking import MlflowLogger
 
-REPORT_FILES = ("data_report.json", METRICS_FILE, "selection.json")
-PLOTS_DIR = "plots"
-SAMPLES_FILE = "samples.jsonl"
+REPORT_FILES = (DATA_REPORT_FILE, METRICS_FILE, SELECTION_FILE)
 FINAL_METRIC_PREFIX = "final."
 # Tables a stage may leave in its output: file -> (Prefect artifact `<stage>-<name>`, MLflow table, description).
 TABLE_FILES = {

@@ -26,7 +26,7 @@ from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
-from rlhf_core.stages.result import METRICS_FILE
+from rlhf_core.layout import METRICS_FILE, stage_output_dir
 from rlhf_core.training.host_allocator import keep_freed_memory
 from rlhf_core.training.logger import MetricsLogger
 from tasks.artifacts import ProgressArtifactLogger, publish_table
@@ -39,16 +39,6 @@ from tasks.outputs import StageOutput, output_sha256
 from tasks.resume import claim_out_dir, release_claim
 from tasks.stage_reports import read_numeric_metrics, report_output
 from tasks.tracking import MlflowLogger
-
-# Each stage's directory inside the run directory (the layout of `artifacts/` and dvc.yaml).
-OUTPUT_DIRS = {
-    "prepare-data": "data",
-    "sft": "sft",
-    "reward": "reward",
-    "judge-reward": "judge_reward",
-    "ppo": "ppo",
-    "evaluate": "eval",
-}
 
 # Config sections each stage reads; they (and config.seed) enter its cache key and its MLflow params.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -122,7 +112,7 @@ def tracked_stage(
     with the lineage of `inputs` (tasks/lineage.py)."""
     tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {})}
     with stage_run(context.tracking, stage, stage_params(stage, config), tags) as run_id:
-        yield StageRun(stage, context.run_dir / OUTPUT_DIRS[stage], run_id, context.tracking.client(), context.tracking)
+        yield StageRun(stage, stage_output_dir(context.run_dir, stage), run_id, context.tracking.client(), context.tracking)
 
 
 @contextmanager
@@ -148,7 +138,7 @@ def tracked_training_stage(
     params = stage_params(stage, config)
     with training_slot(stage), stage_run(context.tracking, stage, params, run_tags, run_name) as run_id:
         keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
-        out_dir = claim_out_dir(context.cache_dir, key, context.run_dir / OUTPUT_DIRS[stage])
+        out_dir = claim_out_dir(context.cache_dir, key, stage_output_dir(context.run_dir, stage))
         yield StageRun(stage, out_dir, run_id, context.tracking.client(), context.tracking)
         release_claim(context.cache_dir, key)
 

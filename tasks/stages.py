@@ -29,6 +29,7 @@ from prefect import get_run_logger, task
 from rlhf_core.config import Config
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.evaluation.samples import sample_generations
+from rlhf_core.layout import HISTORY_FILE, MODEL_DIR
 from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
 from tasks.artifacts import PROGRESS_METRIC
 from tasks.caching import StageCachePolicy, with_cache_dir
@@ -77,10 +78,10 @@ def run_launched(
 
     launch_stage(stage, config, run.out_dir, forward, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
     metrics_logger = run.progress_logger()
-    for row in map(json.loads, (run.out_dir / "history.jsonl").read_text(encoding="utf-8").splitlines()):
+    for row in map(json.loads, (run.out_dir / HISTORY_FILE).read_text(encoding="utf-8").splitlines()):
         step = int(row.pop("step"))
         metrics_logger.log_metrics(row, step)
-    return run.out_dir / "model"
+    return run.out_dir / MODEL_DIR
 
 
 @task(

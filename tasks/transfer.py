@@ -34,11 +34,12 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.atomic import atomic_directory
+from rlhf_core.layout import CHECKPOINTS_DIR
 from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
 
 S3_SCHEME = "s3://"
 MANIFEST = "stage-output.json"
-NOT_UPLOADED_DIRS = frozenset({"checkpoints"})
+NOT_UPLOADED_DIRS = frozenset({CHECKPOINTS_DIR})
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
 LIST_PAGE_KEYS = 1000  # the most keys one DeleteObjects call takes
 

@@ -14,7 +14,6 @@ import pytest
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import (
-    REPORT_FILE,
     FailedDataReport,
     failed_report_path,
     load_report,
@@ -24,9 +23,10 @@ from rlhf_core.data.prepare import (
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.data.validation import DataValidationError, TokenLengths
+from rlhf_core.layout import DATA_REPORT_FILE
 
 OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet",
-                "ppo_val_prompts.parquet", "ppo_pairs.parquet", REPORT_FILE, "metrics.json"}
+                "ppo_val_prompts.parquet", "ppo_pairs.parquet", DATA_REPORT_FILE, "metrics.json"}
 
 
 def word_lengths(pair: PreferencePair) -> TokenLengths:
@@ -97,7 +97,7 @@ def drop_counts(report) -> dict[str, int]:
 
 
 def no_report_anywhere(root: Path) -> bool:
-    return not list(root.rglob(REPORT_FILE))
+    return not list(root.rglob(DATA_REPORT_FILE))
 
 
 def test_every_kind_of_bad_row_in_one_jsonl_gives_exact_counts(tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def test_content_hash_and_multiple_sources(tmp_path: Path) -> None:
     assert report.sources[1].sha256 == hashlib.sha256(second.read_bytes()).hexdigest()
     again = prepare_preference_data([first, second], tmp_path / "out2", SETTINGS, word_lengths)
     assert again.input_sha256 == report.input_sha256
-    for name in OUTPUT_FILES - {REPORT_FILE}:
+    for name in OUTPUT_FILES - {DATA_REPORT_FILE}:
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "out2" / name).read_bytes()
 
 
@@ -273,18 +273,18 @@ def test_successful_rerun_replaces_old_output_completely(tmp_path: Path) -> None
 def test_failure_while_writing_removes_the_temp_dir_and_keeps_the_old_output(tmp_path: Path) -> None:
     out_dir = tmp_path / "prepared"
     out_dir.mkdir()
-    (out_dir / REPORT_FILE).write_text("{}")
+    (out_dir / DATA_REPORT_FILE).write_text("{}")
     with pytest.raises(RuntimeError, match="disk full"):
         with atomic_directory(out_dir) as temp_dir:
             (temp_dir / "rm_train.parquet").write_bytes(b"partial")
             raise RuntimeError("disk full")
     assert [path.name for path in tmp_path.iterdir()] == ["prepared"]
-    assert [path.name for path in out_dir.iterdir()] == [REPORT_FILE]
+    assert [path.name for path in out_dir.iterdir()] == [DATA_REPORT_FILE]
 
 
 def test_load_split_refuses_an_incomplete_directory(tmp_path: Path) -> None:
     (tmp_path / "rm_train.parquet").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=REPORT_FILE):
+    with pytest.raises(FileNotFoundError, match=DATA_REPORT_FILE):
         load_split(tmp_path, "rm_train")
 
 

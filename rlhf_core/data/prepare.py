@@ -45,9 +45,8 @@ from rlhf_core.data.validation import (
     check_drop_fraction,
     check_token_length,
 )
+from rlhf_core.layout import DATA_REPORT_FILE, METRICS_FILE
 
-REPORT_FILE = "data_report.json"
-METRICS_FILE = "metrics.json"
 FAILED_REPORT_SUFFIX = ".failed_report.json"
 PairSplitName = Literal["rm_train", "rm_val", "eval", "ppo_pairs"]
 PromptSplitName = Literal["ppo_prompts", "ppo_val_prompts"]
@@ -203,7 +202,7 @@ def prepare_preference_data(
     with atomic_directory(out_dir) as temp_dir:
         _write_splits(temp_dir, splits)
         (temp_dir / METRICS_FILE).write_text(json.dumps(report.metrics(), indent=2), encoding="utf-8")
-        (temp_dir / REPORT_FILE).write_text(report.model_dump_json(indent=2), encoding="utf-8")
+        (temp_dir / DATA_REPORT_FILE).write_text(report.model_dump_json(indent=2), encoding="utf-8")
     failed_report_path(out_dir).unlink(missing_ok=True)  # an earlier refusal no longer describes this output
     return report
 
@@ -241,8 +240,8 @@ def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[Sf
     project; preparing the same data again adds them (the PPO validation slice leaves the PPO prompts).
     """
     out_dir = Path(out_dir)
-    if not (out_dir / REPORT_FILE).is_file():
-        raise FileNotFoundError(f"{out_dir} holds no complete prepared data ({REPORT_FILE} is missing)")
+    if not (out_dir / DATA_REPORT_FILE).is_file():
+        raise FileNotFoundError(f"{out_dir} holds no complete prepared data ({DATA_REPORT_FILE} is missing)")
     path = out_dir / f"{name}.parquet"
     if not path.is_file():
         raise FileNotFoundError(
@@ -269,7 +268,7 @@ def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[Sf
 
 def load_report(out_dir: Path) -> DataReport:
     """Read data_report.json of a prepared output directory."""
-    return DataReport.model_validate_json((Path(out_dir) / REPORT_FILE).read_text(encoding="utf-8"))
+    return DataReport.model_validate_json((Path(out_dir) / DATA_REPORT_FILE).read_text(encoding="utf-8"))
 
 
 def _collect_source(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core.layout import METRICS_FILE
+from rlhf_core.layout import METRICS_FILE, MODEL_DIR
 
 CAUSAL_LM_MARKER = "config.json"
 REWARD_MODEL_MARKER = "head_config.json"
@@ -25,13 +25,13 @@ def resolve_model_dir(path: str | Path, marker_file: str = CAUSAL_LM_MARKER) -> 
             "evaluation tasks do this), then pass that directory"
         )
     path = Path(path)
-    if (path / "model" / marker_file).is_file():
+    if (path / MODEL_DIR / marker_file).is_file():
         if not (path / METRICS_FILE).is_file():
             raise FileNotFoundError(
                 f"{path} is an unfinished stage output (it has model/ but no {METRICS_FILE}); "
                 "rerun that stage to completion first"
             )
-        return path / "model"
+        return path / MODEL_DIR
     if (path / marker_file).is_file():
         return path
     raise FileNotFoundError(

@@ -31,6 +31,12 @@ from rlhf_core.evaluation.judges.verdicts import EvalPair, Judgement, Verdict
 from rlhf_core.evaluation.length_matching import MatchedPair
 from rlhf_core.evaluation.prompts import EvalPrompt
 
+# The file names, in an evaluation's output directory (and a human-evaluation session's, which copies them).
+GENERATIONS_FILE = "generations.jsonl"
+VERDICTS_FILE = "verdicts.jsonl"
+MATCHED_GENERATIONS_FILE = "generations_matched.jsonl"
+MATCHED_VERDICTS_FILE = "verdicts_matched.jsonl"
+
 
 @dataclass(frozen=True)
 class GeneratedPair:

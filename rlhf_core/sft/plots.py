@@ -17,8 +17,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlhf_core.atomic import atomic_file
+from rlhf_core.layout import PLOTS_DIR
 
-CURVES_FILE = Path("plots") / "sft_curves.png"
+CURVES_FILE = Path(PLOTS_DIR) / "sft_curves.png"
 
 
 def read_history(path: Path) -> list[dict[str, float]]:

@@ -50,6 +50,10 @@ from rlhf_core.evaluation.judges.verdicts import Judge, Judgement, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.outputs import (
+    GENERATIONS_FILE,
+    MATCHED_GENERATIONS_FILE,
+    MATCHED_VERDICTS_FILE,
+    VERDICTS_FILE,
     GeneratedPair,
     generation_rows,
     matched_generation_rows,
@@ -63,25 +67,22 @@ from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
 from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
 from rlhf_core.evaluation.report_markdown import render_markdown
+from rlhf_core.layout import METRICS_FILE, PLOTS_DIR
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.output_lock import output_lock
 from rlhf_core.stages.ppo import reward_record
-from rlhf_core.stages.result import METRICS_FILE, StageResult, write_metrics
+from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import model_dir_sha256
 from rlhf_core.training.logger import MetricsLogger, NullLogger
 
 JudgeKind = Literal["rm", "llm"]
 JUDGES: tuple[str, ...] = ("rm", "llm")
 GENERATION_BATCH_SIZE = 8
-GENERATIONS_FILE = "generations.jsonl"
-VERDICTS_FILE = "verdicts.jsonl"
-MATCHED_GENERATIONS_FILE = "generations_matched.jsonl"
-MATCHED_VERDICTS_FILE = "verdicts_matched.jsonl"
 EXTRA_SAMPLES_SEED_OFFSET = 1  # the extra replies are sampled from seed + this: other draws than the main ones
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
-PLOT_FILE = Path("plots") / "win_rate.png"
+PLOT_FILE = Path(PLOTS_DIR) / "win_rate.png"
 JUDGE_CACHE_DIR = "judge_cache"
 HUMAN_JUDGE_MESSAGE = (
     "human judging is answered by people in the Prefect UI: run `rlhf eval` with the rm or llm judge, then "

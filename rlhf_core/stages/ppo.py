@@ -42,9 +42,18 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import CollapseGuardConfig, Config
-from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.data.prepare import load_split
 from rlhf_core.distributed.context import stage_context
-from rlhf_core.layout import SELECTION_FILE
+from rlhf_core.layout import (
+    CHECKPOINTS_DIR,
+    DATA_REPORT_FILE,
+    HISTORY_FILE,
+    METRICS_FILE,
+    MODEL_DIR,
+    PLOTS_DIR,
+    SAMPLES_FILE,
+    SELECTION_FILE,
+)
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
@@ -55,12 +64,7 @@ from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
 from rlhf_core.ppo.validation import BEST_DIR, VALIDATED_DIR, validated_dir
-from rlhf_core.stages.result import (
-    METRICS_FILE,
-    StageResult,
-    read_metrics,
-    write_metrics,
-)
+from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
     check_resumable,
@@ -95,11 +99,11 @@ def load_ppo_models(
     read_metrics(rm_dir)
     dtype = DTYPES[config.model.dtype]
     frozen_dtype = DTYPES[config.ppo.frozen_models_dtype or config.model.dtype]
-    policy, tokenizer = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
-    reference, _ = load_causal_lm(sft_dir / "model", dtype=frozen_dtype, device=device)
-    reward_model = RewardModel.from_pretrained(rm_dir / "model", dtype=frozen_dtype, device=device)
+    policy, tokenizer = load_causal_lm(sft_dir / MODEL_DIR, dtype=dtype, device=device)
+    reference, _ = load_causal_lm(sft_dir / MODEL_DIR, dtype=frozen_dtype, device=device)
+    reward_model = RewardModel.from_pretrained(rm_dir / MODEL_DIR, dtype=frozen_dtype, device=device)
     reward_model.requires_grad_(False)
-    if load_tokenizer(rm_dir / "model").get_vocab() != tokenizer.get_vocab():
+    if load_tokenizer(rm_dir / MODEL_DIR).get_vocab() != tokenizer.get_vocab():
         raise ValueError(
             f"the reward model in {rm_dir} uses another tokenizer than the SFT model in {sft_dir}"
         )
@@ -109,9 +113,9 @@ def load_ppo_models(
             f"turns with token id {end_of_turn_id(tokenizer)}"
         )
     if config.ppo.critic_init == "reward":
-        critic = Critic.from_pretrained(rm_dir / "model", dtype=dtype, device=device)
+        critic = Critic.from_pretrained(rm_dir / MODEL_DIR, dtype=dtype, device=device)
     else:
-        sft_copy, _ = load_causal_lm(sft_dir / "model", dtype=dtype, device=device)
+        sft_copy, _ = load_causal_lm(sft_dir / MODEL_DIR, dtype=dtype, device=device)
         critic = Critic.from_causal_lm(sft_copy, seed=config.seed)
     scorer = RewardModelScorer(reward_model, config.ppo.scoring_rows)
     return PPOModels(policy=policy, reference=reference, critic=critic, scorer=scorer), tokenizer
@@ -233,9 +237,9 @@ def ppo_run_inputs(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path) 
     return RunInputs(
         stage_settings(config, "ppo"),
         {
-            "data": file_sha256(data_dir / REPORT_FILE),
-            "SFT model": model_dir_sha256(sft_dir / "model"),
-            "reward model": model_dir_sha256(rm_dir / "model"),
+            "data": file_sha256(data_dir / DATA_REPORT_FILE),
+            "SFT model": model_dir_sha256(sft_dir / MODEL_DIR),
+            "reward model": model_dir_sha256(rm_dir / MODEL_DIR),
         },
     )
 
@@ -257,8 +261,8 @@ def run_ppo(
     with stage_lock(out_dir, "ppo"):
         trainer = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
         if not trainer.context.is_main:  # the other ranks train alongside, write nothing
-            result = fit(trainer, out_dir / "checkpoints")
-            return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / "model")
+            result = fit(trainer, out_dir / CHECKPOINTS_DIR)
+            return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / MODEL_DIR)
         result = _fit_logged(trainer, config, out_dir, logger)
         return _write_outputs(result, trainer, rm_dir, out_dir, time.perf_counter() - started)
 
@@ -278,22 +282,22 @@ def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, ou
         config.distributed,
     )
     inputs = ppo_run_inputs(config, data_dir, sft_dir, rm_dir)
-    check_resumable(out_dir / "checkpoints", inputs)
+    check_resumable(out_dir / CHECKPOINTS_DIR, inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
     if context.is_main:
-        record_run_inputs(out_dir / "checkpoints", inputs)
+        record_run_inputs(out_dir / CHECKPOINTS_DIR, inputs)
     return trainer
 
 
 def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: MetricsLogger | None) -> FitResult:
     """`fit` with history.jsonl, samples.jsonl and the caller's logger (MLflow when orchestrated)."""
-    history = JsonlLogger(out_dir / "history.jsonl")
-    samples = SampleTable(out_dir / "samples.jsonl")
+    history = JsonlLogger(out_dir / HISTORY_FILE)
+    samples = SampleTable(out_dir / SAMPLES_FILE)
     run_logger = MultiLogger([history, logger]) if logger is not None else history
     run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed})
     try:
-        return fit(trainer, out_dir / "checkpoints", run_logger, samples, progress_bar=True)
+        return fit(trainer, out_dir / CHECKPOINTS_DIR, run_logger, samples, progress_bar=True)
     finally:
         history.close()
         samples.close()
@@ -303,17 +307,17 @@ def _write_outputs(result: FitResult, trainer: PPOTrainer, rm_dir: Path, out_dir
     """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
-    copy_best_policy(out_dir / "checkpoints", out_dir / "model")
-    prune_validated(out_dir / "checkpoints", result.selection.step)
+    copy_best_policy(out_dir / CHECKPOINTS_DIR, out_dir / MODEL_DIR)
+    prune_validated(out_dir / CHECKPOINTS_DIR, result.selection.step)
     selection = selection_record(result, trainer.validator.prompt_names)
     atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection, indent=2) + "\n")
-    rows = read_history(out_dir / "history.jsonl")
-    plot_figure_4(rows, out_dir / "plots")
-    plot_validation_gain(result.validations, result.selection.step, out_dir / "plots" / "validation_gain.png")
+    rows = read_history(out_dir / HISTORY_FILE)
+    plot_figure_4(rows, out_dir / PLOTS_DIR)
+    plot_validation_gain(result.validations, result.selection.step, out_dir / PLOTS_DIR / "validation_gain.png")
     metrics = stage_metrics(result, rows, seconds, trainer.guard.bounds)
     write_reward_record(out_dir, rm_dir)
     write_metrics(out_dir, metrics)
-    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / "model")
+    return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
 
 
 def guard_message(out_dir: Path) -> str | None:
@@ -324,7 +328,7 @@ def guard_message(out_dir: Path) -> str | None:
 
 def write_reward_record(out_dir: Path, rm_dir: Path) -> None:
     """`out_dir/reward_model.json`: which reward model (`rm_dir/model`) this policy was optimised against."""
-    record = {"path": str(Path(rm_dir).resolve()), "sha256": model_dir_sha256(Path(rm_dir) / "model")}
+    record = {"path": str(Path(rm_dir).resolve()), "sha256": model_dir_sha256(Path(rm_dir) / MODEL_DIR)}
     atomic_write_text(Path(out_dir) / REWARD_RECORD_FILE, json.dumps(record, indent=2) + "\n")
 
 

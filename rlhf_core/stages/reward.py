@@ -36,9 +36,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import Config, RewardConfig
-from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.data.prepare import load_split
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.distributed.context import stage_context
+from rlhf_core.layout import CHECKPOINTS_DIR, DATA_REPORT_FILE, MODEL_DIR, PLOTS_DIR
 from rlhf_core.models.base import DTYPES, load_base_model
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.freezing import enable_gradient_checkpointing
@@ -66,8 +67,6 @@ from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
 from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
-    CHECKPOINTS_DIR,
-    MODEL_DIR,
     RunInputs,
     RunState,
     check_resumable,
@@ -85,7 +84,7 @@ from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget
 from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import total_steps, train
 
-MARGIN_PLOT = Path("plots") / "reward_margin_hist.png"
+MARGIN_PLOT = Path(PLOTS_DIR) / "reward_margin_hist.png"
 Metrics = dict[str, float]
 
 
@@ -338,7 +337,7 @@ def _run_train_rm(
     model_dir = out_dir / MODEL_DIR
     inputs = RunInputs(
         {**stage_settings(config, "reward"), "train_split": train_split},
-        {"data": file_sha256(data_dir / REPORT_FILE), **init_hashes},
+        {"data": file_sha256(data_dir / DATA_REPORT_FILE), **init_hashes},
     )
     run_state = begin_writing(out_dir, inputs, context.is_main)
 

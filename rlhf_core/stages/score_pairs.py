@@ -17,6 +17,7 @@ from rlhf_core.config import Config
 from rlhf_core.data.formats import parse_row
 from rlhf_core.data.readers import RawRow, open_source
 from rlhf_core.data.records import PreferencePair
+from rlhf_core.layout import MODEL_DIR
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_tokenizer
@@ -31,7 +32,7 @@ from rlhf_core.reward.scoring import PairScores, score_pair_batches
 from rlhf_core.stages.prepare_data import resolve_sources
 from rlhf_core.stages.result import write_metrics
 from rlhf_core.stages.reward import MARGIN_PLOT
-from rlhf_core.stages.training_run import MODEL_DIR, mark_incomplete, training_device
+from rlhf_core.stages.training_run import mark_incomplete, training_device
 
 
 @dataclass(frozen=True)

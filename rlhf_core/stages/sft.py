@@ -27,10 +27,11 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import Config
-from rlhf_core.data.prepare import REPORT_FILE, load_split
+from rlhf_core.data.prepare import load_split
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.distributed.context import RankContext, stage_context
 from rlhf_core.distributed.zero import gathered_parameters
+from rlhf_core.layout import CHECKPOINTS_DIR, DATA_REPORT_FILE, HISTORY_FILE, MODEL_DIR
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.freezing import enable_gradient_checkpointing
 from rlhf_core.models.lora import make_trainable
@@ -46,9 +47,6 @@ from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout
 from rlhf_core.sft.plots import CURVES_FILE, plot_sft_curves, read_history
 from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import (
-    CHECKPOINTS_DIR,
-    HISTORY_FILE,
-    MODEL_DIR,
     RunInputs,
     RunState,
     check_resumable,
@@ -154,7 +152,7 @@ def _run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogge
     context = stage_context(config.distributed)
     examples = load_split(data_dir, "sft")  # read the data first: a wrong path fails before any model loads
     pairs = heldout_pairs(data_dir)
-    inputs = RunInputs(stage_settings(config, "sft"), {"data": file_sha256(data_dir / REPORT_FILE)})
+    inputs = RunInputs(stage_settings(config, "sft"), {"data": file_sha256(data_dir / DATA_REPORT_FILE)})
     if not settings.skip:
         check_resumable(out_dir / CHECKPOINTS_DIR, inputs)
     model, tokenizer = load_base_model(config.model, training_device())

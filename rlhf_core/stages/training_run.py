@@ -31,16 +31,13 @@ import torch
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config, TrainingConfig
 from rlhf_core.distributed.context import rank_context
+from rlhf_core.layout import CHECKPOINTS_DIR, HISTORY_FILE, METRICS_FILE
 from rlhf_core.output_lock import output_lock
-from rlhf_core.stages.result import METRICS_FILE
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import ScheduleName
 
-HISTORY_FILE = "history.jsonl"
-CHECKPOINTS_DIR = "checkpoints"
-MODEL_DIR = "model"
 RUN_INPUTS_FILE = "run_inputs.json"
 READ_CHUNK_BYTES = 1 << 20
 MAX_LISTED_DIFFERENCES = 10

@@ -42,15 +42,16 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
-from rlhf_core.evaluation.outputs import GeneratedPair, read_generations, read_verdicts
+# A session keeps the pairs and verdicts under the names `rlhf eval` gives them; VERDICTS_FILE is checked so
+# no other judge's verdicts are overwritten.
+from rlhf_core.evaluation.outputs import GENERATIONS_FILE as PAIRS_FILE
+from rlhf_core.evaluation.outputs import MATCHED_GENERATIONS_FILE as MATCHED_PAIRS_FILE
+from rlhf_core.evaluation.outputs import VERDICTS_FILE, GeneratedPair, read_generations, read_verdicts
 
 JUDGE_KIND = "human"
 JUDGE_NAME = "human"
-PAIRS_FILE = "generations.jsonl"  # the name `rlhf eval` gives the same file
-MATCHED_PAIRS_FILE = "generations_matched.jsonl"  # the name `rlhf eval` gives the length-matched pairs
 PLAN_FILE = "plan.json"
 ANSWERS_FILE = "answers.jsonl"
-VERDICTS_FILE = "verdicts.jsonl"  # the name `rlhf eval` gives verdicts; checked so no other judge's are overwritten
 EMPTY_REPLY = "(empty reply)"
 
 INSTRUCTIONS = (
