@@ -1,10 +1,10 @@
 """PPO-max training (paper section 5): the phases of an iteration, composed into a resumable run.
 
 An iteration is rollout (`ExperienceMaker`), guard (`CollapseGuard`), update (`PPOUpdate` through a
-`Learner`), with critic-only iterations first (`CriticPretraining`); `Validator` validates on held-out prompts
-and `select_policy` picks the output installed as `<checkpoint_dir>/best/`. The phases, their files and
-what spans ranks under the deepspeed launcher: docs/stages-ppo.md (its numbered steps, "Where the code
-is", "Several ranks"). Only rank 0 logs and saves.
+`Learner`), with critic-only iterations first (`CriticPretraining`); `Validator` validates on held-out
+prompts and `select_policy` picks the output installed as `<checkpoint_dir>/best/`. The phases, their
+files and what spans ranks under the deepspeed launcher: docs/stages-ppo.md (its numbered steps, "Where
+the code is", "Several ranks"). Only rank 0 logs and saves.
 """
 
 from __future__ import annotations
