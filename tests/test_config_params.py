@@ -115,7 +115,7 @@ def test_readme_names_functions_that_exist() -> None:
     for switch, (*_, implemented_by) in readme_switch_table().items():
         for dotted in re.findall(r"`((?:ppo|stages)\.[\w.]+)`", implemented_by):
             module_path, _, attribute = dotted.rpartition(".")
-            if module_path.count(".") > 1:  # ppo.learner.LocalLearner.finish_step: a method
+            if module_path.count(".") > 1:  # ppo.learner.LocalLearner.clip_gradients: a method
                 module_path, _, owner = module_path.rpartition(".")
                 target = getattr(importlib.import_module(f"rlhf_core.{module_path}"), owner)
             else:

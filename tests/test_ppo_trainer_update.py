@@ -17,6 +17,7 @@ from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo import update as update_module
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.learner import LocalLearner
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
@@ -145,6 +146,7 @@ def test_gradients_are_clipped_per_model(
             grads = [p.grad for p in group["params"] if p.grad is not None]
             applied[group["name"]] = math.sqrt(sum(float(g.square().sum()) for g in grads))
 
+    assert isinstance(trainer.learner, LocalLearner)  # one process: one AdamW, whose step is watched
     trainer.learner.optimizer.register_step_pre_hook(record_applied_norms)
     metrics = trainer.learn(rollout(trainer), step=1)
     assert (
