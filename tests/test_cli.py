@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, ROOT, TINY
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 
 
@@ -125,7 +124,7 @@ def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_
 def test_a_missing_local_path_is_named_and_not_looked_up_on_the_hub(tmp_path: Path, where: str) -> None:
     (tmp_path / "raw").mkdir()
     out = tmp_path / "out"
-    params = str(ROOT / "params.yaml")
+    params = str(PARAMS)
     result = rlhf("prepare-data", "--params", params, "-c", str(TINY), "--data", where, "--out", str(out), cwd=tmp_path)
     assert result.returncode == 1
     assert f"input not found: {where.removeprefix('./')} (a local path, so it was not looked up" in result.stderr

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.paths import ROOT
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import load_split, prepare_preference_data
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.data.validation import TokenLengths
 
-REAL_PAIRS = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
+REAL_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 
 
 def word_lengths(pair: PreferencePair) -> TokenLengths:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.distributed_runs import free_port
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
@@ -23,7 +24,6 @@ from tasks.mlflow_runs import STAGE_TAG
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 2
 
 
@@ -39,7 +39,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -
 
 def two_rank_sft(data: Path, *overrides: str) -> PipelineSettings:
     return PipelineSettings(
-        config=[str(REPO / "configs" / "tiny.yaml")],
+        config=[str(TINY)],
         overrides=[
             "distributed.num_processes=2",
             f"distributed.master_port={free_port()}",
@@ -50,7 +50,7 @@ def two_rank_sft(data: Path, *overrides: str) -> PipelineSettings:
         ],
         data=str(data),
         stages=[Stage.PREPARE_DATA, Stage.SFT],
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 from fixtures.distributed_runs import RankLog, free_port
+from fixtures.paths import SCRIPTS
 from fixtures.tiny_ppo import StageInputs, write_stage_inputs
 
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.launcher import Launch, run_launch
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROLLOUTS = 2
 
 

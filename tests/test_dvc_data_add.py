@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from fixtures.paths import ROOT
 from fixtures.servers import S3Server
 from typer.testing import CliRunner, Result
 
@@ -36,7 +37,6 @@ from tasks.dvc_data import (
 
 pytestmark = pytest.mark.slow
 
-PROJECT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
 PIPELINE_FILES = ("dvc.yaml", "overlays.yaml")
 PIPELINE_DIRS = ("rlhf_core", "configs")  # what dvc.yaml's prepare_data stage depends on
@@ -60,9 +60,9 @@ def make_project_repo(root: Path, with_pipeline: bool = False) -> Path:
     git(root, "init", "-q")
     for name in PROJECT_FILES + (PIPELINE_FILES if with_pipeline else ()):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, root / name)
+        shutil.copyfile(ROOT / name, root / name)
     for name in PIPELINE_DIRS if with_pipeline else ():
-        shutil.copytree(PROJECT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "project")
     return root
@@ -273,7 +273,7 @@ def test_a_failed_dvc_add_takes_the_copied_file_out_again(tmp_path: Path, monkey
     project.mkdir()
     for name in ("params.yaml", "configs/tiny.yaml"):
         (project / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, project / name)
+        shutil.copyfile(ROOT / name, project / name)
     monkeypatch.chdir(project)
     new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
 
@@ -318,7 +318,7 @@ def run_as_written(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_data_readme_documents_the_fresh_clone_commands() -> None:
-    documented = documented_commands(PROJECT / "data/README.md")
+    documented = documented_commands(ROOT / "data/README.md")
     assert {"rlhf data status", "dvc pull", "dvc status", PULL_RAW_DATA, REPRODUCE_PREPARED_DATA} <= set(documented)
 
 

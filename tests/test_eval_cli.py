@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.library_output import library_output, without_quiet_switches
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
@@ -27,8 +28,6 @@ from rlhf_core.reward.training_data import training_data_record, write_training_
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 JUDGE_VARIABLES = ("RLHF_JUDGE_API_KEY", "OPENAI_API_KEY", "RLHF_JUDGE_BASE_URL", "OPENAI_BASE_URL")
 
 
@@ -64,7 +63,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     raw.mkdir()
     (raw / "harmless-base.jsonl").write_text("".join(hh_row(i, "safety") + "\n" for i in range(30)))
     (raw / "helpful-base.jsonl").write_text("".join(hh_row(i, "gardening") + "\n" for i in range(30, 60)))
-    config = load_config(ROOT / "params.yaml", overlays=[TINY], overrides=["data.eval_fraction=0.3"])
+    config = load_config(PARAMS, overlays=[TINY], overrides=["data.eval_fraction=0.3"])
     run_prepare_data(config, root / "data", source=str(raw))
     tokenizer = load_tiny_model()[1]
     for name, seed in (("ppo", 0), ("sft", 1)):
@@ -149,7 +148,7 @@ def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(inputs, tmp
     libraries' warnings stay out of the redirected stderr (issue 31)."""
     stderr_file = tmp_path / "stderr.txt"
     command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "eval"]
-    command += ["--params", str(ROOT / "params.yaml")]
+    command += ["--params", str(PARAMS)]
     command += ["--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"])]
     command += ["--data-dir", str(inputs["data"]), "-c", str(TINY), "-s", "evaluation.max_prompts=4"]
     command += ["-s", "evaluation.generation.max_new_tokens=4", "--out", str(tmp_path / "eval")]
@@ -281,7 +280,7 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # nothing under artifacts/ here
-    common = ("--params", str(ROOT / "params.yaml"), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
+    common = ("--params", str(PARAMS), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
               "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4")
 
     status, stdout, stderr = rlhf(

@@ -17,6 +17,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.logging.handlers import APILogWorker
 
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.stages import sft as sft_stage
 from rlhf_core.config import load_config
@@ -29,7 +30,6 @@ from tasks.outputs import file_sha256
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -43,10 +43,10 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -
 
 def settings(data: Path, stages_wanted: list[Stage]) -> PipelineSettings:
     return PipelineSettings(
-        config=[str(REPO / "configs" / "tiny.yaml")],
+        config=[str(TINY)],
         data=str(data),
         stages=stages_wanted,
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 
@@ -186,8 +186,8 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
     assert parent.data.tags[DATA_SOURCE_TAG] == str(data)
     prepare, sft = (project.get_run(result.outputs[stage].mlflow_run_id) for stage in ("prepare-data", "sft"))
     assert prepare.data.params["data.source"] == str(data)
-    commit, _ = git_state(REPO)
-    config = load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+    commit, _ = git_state(ROOT)
+    config = load_config(PARAMS, [TINY])
     for run in (prepare, sft):
         assert run.data.tags[GIT_COMMIT_TAG] == commit
         assert run.data.tags[DATA_VERSION_TAG] == file_sha256(data) == result.data.version

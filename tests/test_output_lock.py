@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import ROOT, TINY, hh_pair, save_rm_output, save_sft_output, tiny_config  # noqa: F401
+from fixtures.paths import ROOT, TINY
+from fixtures.tiny_ppo import hh_pair, save_rm_output, save_sft_output, tiny_config  # noqa: F401
 
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import (  # noqa: F401
-    ROOT,
-    TINY,
     StageInputs,
     tiny_config,
     write_stage_inputs,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, TINY
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -76,7 +77,6 @@ from tasks.tracking import get_or_create_experiment
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICY = "promotion-policy"
 SAME_AS_SFT = "promotion-policy-same"  # step H: a policy model whose version 1 is its SFT model
 REWARD = "promotion-reward"
@@ -119,7 +119,7 @@ def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: 
 
 def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, object]:
     return {
-        "config": [str(ROOT / "configs" / "tiny.yaml")],
+        "config": [str(TINY)],
         "overrides": [
             f"tracking.policy_model_name={POLICY}",
             f"tracking.reward_model_name={REWARD}",
@@ -129,7 +129,7 @@ def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, ob
             "promotion.min_lc_win_rate_low=0.4",
             *overrides,
         ],
-        "params_file": str(ROOT / "params.yaml"),
+        "params_file": str(PARAMS),
         "runs_dir": str(runs_dir),
         **changes,
     }

@@ -24,6 +24,7 @@ from uuid import UUID
 
 import pytest
 import typer
+from fixtures.paths import ROOT
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName
@@ -48,7 +49,6 @@ from tasks.remote import RemoteStages
 
 pytestmark = pytest.mark.slow
 
-PROJECT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
 POLICY = "retrain-policy"
 OVERRIDES = [
@@ -76,7 +76,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str, m
     git(repo, "init", "-q")
     for name in PROJECT_FILES:
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, repo / name)
+        shutil.copyfile(ROOT / name, repo / name)
     run_dvc(["remote", "modify", "local", "url", str(tmp_path / "dvc-remote")], repo)
     raw = repo / "data" / "raw"
     raw.mkdir(parents=True)

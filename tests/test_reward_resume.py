@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.paths import PARAMS, ROOT, TINY
 from safetensors.torch import load_file
 
 from rlhf_core.config import Config, load_config
@@ -36,8 +37,6 @@ from rlhf_core.training.checkpoint import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 16
 SETTINGS = (
     "reward.init_from=base",
@@ -51,7 +50,7 @@ SETTINGS = (
 
 
 def config() -> Config:
-    return load_config(ROOT / "params.yaml", [TINY], list(SETTINGS))
+    return load_config(PARAMS, [TINY], list(SETTINGS))
 
 
 def command(data_dir: Path, out: Path) -> list[str]:
@@ -109,7 +108,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
         )
     (root / "pairs.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    run_prepare_data(load_config(ROOT / "params.yaml", [TINY]), root / "prepared", str(root / "pairs.jsonl"))
+    run_prepare_data(load_config(PARAMS, [TINY]), root / "prepared", str(root / "pairs.jsonl"))
     return root / "prepared"
 
 

@@ -23,8 +23,6 @@ from rlhf_core.stages.score_pairs import score_pair_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = (
     "river stone cloud paper green quiet table window music garden bright silver ocean winter candle "
     "forest yellow mirror pencil thunder"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
+from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import tiny_config
 from safetensors.torch import load_file
 
@@ -25,8 +26,6 @@ from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def hh_rows(count: int) -> list[dict[str, str]]:
@@ -171,7 +170,7 @@ def rlhf_sft_command(data_dir: Path, out: Path) -> list[str]:
         "from rlhf_cli.main import main; main()",
         "sft",
         "--params",
-        str(ROOT / "params.yaml"),
+        str(PARAMS),
         "-c",
         str(TINY),
         "-s",

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import (  # noqa: F401
-    ROOT,
-    TINY,
     StageInputs,
     save_sft_output,
     tiny_config,
