@@ -1,7 +1,9 @@
 """Fixtures shared by the whole suite.
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
-Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py.
+Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py; the repository's paths
+(`ROOT`, `PARAMS`, `TINY`): tests/fixtures/paths.py. A test module uses these; it does not define its own
+(tests/test_shared_fixtures.py checks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.tiny_ppo import StageInputs, hh_pair, write_prepared_data, write_stage_inputs
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
@@ -27,6 +30,19 @@ def tokenizer() -> PreTrainedTokenizerBase:
     """The real SmolLM2 tokenizer (the tiny models use it too); one per module, so no test sees
     another module's changes to it."""
     return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+    """What `rlhf ppo` reads (prepared data, tiny SFT and reward-model outputs), built once per module: the
+    SFT and reward-model stages are not run."""
+    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), once per module."""
+    return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
 
 
 @pytest.fixture(scope="session", autouse=True)

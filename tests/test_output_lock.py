@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.paths import ROOT, TINY
-from fixtures.tiny_ppo import hh_pair, save_rm_output, save_sft_output, tiny_config  # noqa: F401
+from fixtures.tiny_ppo import save_rm_output, save_sft_output, tiny_config  # noqa: F401
 
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock
@@ -54,15 +54,6 @@ def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     if process.poll() is None:
         process.kill()
     process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lock-data")
-    source = root / "pairs.jsonl"
-    source.write_text("".join(json.dumps(hh_pair(i)) + "\n" for i in range(80)))
-    run_prepare_data(tiny_config(), root / "data", source=str(source))
-    return root / "data"
 
 
 @pytest.fixture(scope="module")

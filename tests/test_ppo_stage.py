@@ -15,11 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.paths import ROOT, TINY
-from fixtures.tiny_ppo import (  # noqa: F401
-    StageInputs,
-    tiny_config,
-    write_stage_inputs,
-)
+from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 from safetensors.torch import load_file
 
 from rlhf_core.data.prepare import load_split
@@ -32,11 +28,6 @@ from rlhf_core.training.checkpoint import complete_checkpoints
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RESUME_SETTINGS = ["-s", "ppo.steps=6", "-s", "ppo.checkpoint_every=2", "-s", "ppo.eval_every=3"]
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def history(out: Path) -> list[dict[str, float]]:

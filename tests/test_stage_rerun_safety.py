@@ -17,7 +17,6 @@ from fixtures.tiny_ppo import (  # noqa: F401
     StageInputs,
     save_sft_output,
     tiny_config,
-    write_stage_inputs,
 )
 
 from rlhf_core.models.tiny import load_tiny_model
@@ -29,11 +28,6 @@ from rlhf_core.stages.training_run import RUN_INPUTS_FILE, ResumeMismatchError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CLI = [sys.executable, "-c", "from rlhf_cli.main import main; main()"]
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(scope="module")
