@@ -15,10 +15,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
@@ -36,7 +36,7 @@ RUN_DEADLINE_S = 900
 def ablate_command(base: Path, runs_dir: Path) -> list[str]:
     """`rlhf ablate` of the tiny grid's vanilla variant, with a PPO run long enough to be killed in the middle."""
     return [
-        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "ablate",
         "--grid", str(ROOT / "configs" / "ablations" / "tiny.yaml"),
         "--variant", "vanilla",

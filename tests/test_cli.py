@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.tiny_ppo import hh_pair
 
 SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 
 
 def rlhf(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """Run the installed console entry point in a fresh process."""
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    command = [*RLHF_COMMAND, *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
-def hh_pair(number: int) -> dict[str, str]:
-    prompt = f"\n\nHuman: How do I water plant number {number}?"
-    return {
-        "chosen": f"{prompt}\n\nAssistant: Water it weekly, plant {number} likes moist soil.",
-        "rejected": f"{prompt}\n\nAssistant: Never water plant {number}.",
-    }
 
 
 @pytest.mark.slow

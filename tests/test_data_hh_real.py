@@ -5,19 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.pairs import word_lengths
 from fixtures.paths import ROOT
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import load_split, prepare_preference_data
-from rlhf_core.data.records import PreferencePair
-from rlhf_core.data.validation import TokenLengths
 
 REAL_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
-
-
-def word_lengths(pair: PreferencePair) -> TokenLengths:
-    prompt = sum(len(message["content"].split()) for message in pair.prompt)
-    return TokenLengths(prompt, prompt + len(pair.chosen.split()), prompt + len(pair.rejected.split()))
 
 
 @pytest.mark.skipif(not REAL_PAIRS.is_file(), reason=f"shared real data not found at {REAL_PAIRS}")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from fixtures.distributed_runs import free_port
 from fixtures.paths import PARAMS, TINY
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import hh_pair, tiny_config
 from typer.testing import CliRunner
 

@@ -23,9 +23,9 @@ from fixtures.distributed_runs import (
     assert_disjoint_shards,
     assert_no_shared_buffers_left,
     assert_same_weights,
-    free_port,
     read_history,
 )
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 
 from rlhf_core.distributed.launcher import launch_stage

@@ -18,9 +18,9 @@ from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
     assert_same_weights,
-    free_port,
     read_history,
 )
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 
 from rlhf_core.distributed.launcher import launch_stage

@@ -22,9 +22,9 @@ from fixtures.distributed_runs import (
     assert_disjoint_shards,
     assert_no_shared_buffers_left,
     assert_same_weights,
-    free_port,
     read_history,
 )
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import tiny_config
 
 from rlhf_core.distributed.launcher import launch_stage

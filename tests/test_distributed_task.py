@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fixtures.distributed_runs import free_port
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, TINY
+from fixtures.servers import free_port
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId

@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.distributed_runs import RankLog, free_port
+from fixtures.distributed_runs import RankLog
 from fixtures.paths import SCRIPTS
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs
 
 from rlhf_core.config import DistributedConfig

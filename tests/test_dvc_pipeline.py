@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from click import Command
 from dvc.repo import Repo
 from dvc.stage import PipelineStage
 from fixtures.paths import PARAMS, ROOT
+from fixtures.project_repos import copy_project_files, git
 
 from rlhf_cli.data_commands import DEFAULT_RAW_DIR
 from rlhf_cli.main import app
@@ -48,17 +48,6 @@ UPSTREAM = {"prepare_data": set(), "sft": {"prepare_data"}, "train_rm": {"prepar
 TINY_OVERLAY = "overlays.yaml:overlay.config=[configs/tiny.yaml]"
 
 
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=rlhf-tests", "-c", "user.email=rlhf-tests@example.com"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
-
-
-def copy_into(repo: Path, names: tuple[str, ...]) -> None:
-    for name in names:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / name, repo / name)
-
-
 def cli_options() -> dict[str, set[str]]:
     """Every `rlhf` subcommand and the option names it accepts, from the typer app itself."""
     group = typer.main.get_command(app)
@@ -74,7 +63,7 @@ def loaded_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A git repository holding the project's dvc.yaml and what DVC needs to load it."""
     repo = tmp_path_factory.mktemp("load")
     git(repo, "init", "-q")
-    copy_into(repo, PIPELINE_FILES)
+    copy_project_files(repo, PIPELINE_FILES)
     return repo
 
 
@@ -226,7 +215,7 @@ def test_dvc_exp_run_applies_the_tiny_overlay_and_params_sections_decide_reruns(
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q")
-    copy_into(repo, PIPELINE_FILES)
+    copy_project_files(repo, PIPELINE_FILES)
     shutil.copytree(ROOT / "configs", repo / "configs")
     shutil.copytree(ROOT / "rlhf_core", repo / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
     write_pairs(repo / "data/raw/pairs.jsonl", 40)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.paths import PARAMS, ROOT, TINY
 
@@ -147,7 +148,7 @@ def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(eval_inputs
     """A fresh `rlhf eval` (as a user runs it) loads its models: transformers' "Loading weights" bars and the
     libraries' warnings stay out of the redirected stderr (issue 31)."""
     stderr_file = tmp_path / "stderr.txt"
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "eval"]
+    command = [*RLHF_COMMAND, "eval"]
     command += ["--params", str(PARAMS)]
     command += ["--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"])]
     command += ["--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "-s", "evaluation.max_prompts=4"]
@@ -231,7 +232,7 @@ def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str
     """
     from mlflow import MlflowClient
 
-    from tasks.outputs import StageOutput, output_sha256
+    from fixtures.stage_outputs import stage_output
     from tasks.registry import (
         CHALLENGER_ALIAS,
         REWARD_VERSION_TAG,
@@ -241,10 +242,6 @@ def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str
         training_data_tags,
     )
     from tasks.tracking import get_or_create_experiment, local_artifact_location
-
-    def output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-        model_dir = out_dir / "model" if with_model else None
-        return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
 
     root = tmp_path_factory.mktemp("eval-registry")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -257,17 +254,17 @@ def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str
     )
     write_metrics(judge_dir, {"steps": 0.0})
     write_training_data(judge_dir, training_data_record(eval_inputs["data"], "ppo_pairs", "base"))
-    reward = register(client, uri, run_id, "eval-reward", output("reward", eval_inputs["reward"]), {}, None)
-    judge_output = output("judge-reward", judge_dir)
+    reward = register(client, uri, run_id, "eval-reward", stage_output("reward", eval_inputs["reward"]), {}, None)
+    judge_output = stage_output("judge-reward", judge_dir)
     judge = register(client, uri, run_id, "eval-reward-judge", judge_output, training_data_tags(judge_output), None)
     tags = {
-        **lineage_output_tags({"prepare-data": output("prepare-data", eval_inputs["data"], with_model=False)}),
+        **lineage_output_tags({"prepare-data": stage_output("prepare-data", eval_inputs["data"], with_model=False)}),
         REWARD_VERSION_TAG: reward.version,
         **judge_version_tags(judge),
     }
-    register(client, uri, run_id, "eval-policy", output("ppo", eval_inputs["sft"]), tags, "champion")
-    register(client, uri, run_id, "eval-policy", output("ppo", eval_inputs["ppo"]), tags, CHALLENGER_ALIAS)
-    register(client, uri, run_id, "eval-policy-unjudged", output("ppo", eval_inputs["ppo"]), {}, CHALLENGER_ALIAS)
+    register(client, uri, run_id, "eval-policy", stage_output("ppo", eval_inputs["sft"]), tags, "champion")
+    register(client, uri, run_id, "eval-policy", stage_output("ppo", eval_inputs["ppo"]), tags, CHALLENGER_ALIAS)
+    register(client, uri, run_id, "eval-policy-unjudged", stage_output("ppo", eval_inputs["ppo"]), {}, CHALLENGER_ALIAS)
     return uri, judge_dir
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.paths import PARAMS, TINY
+from fixtures.stage_outputs import stage_output
 from fixtures.tiny_ppo import (
     StageInputs,
     save_rm_output,
@@ -45,11 +46,6 @@ EXPERIMENT = "eval-pipeline-tests"
 POLICY_NAME = "evalpipe-policy"
 REWARD_NAME = "evalpipe-reward"
 SETTINGS = (f"tracking.experiment={EXPERIMENT}", "ppo.steps=1", "evaluation.max_prompts=6")
-
-
-def stage_output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-    model_dir = out_dir / "model" if with_model else None
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")

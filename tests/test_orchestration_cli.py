@@ -11,11 +11,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import typer
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
@@ -91,7 +91,7 @@ def test_a_successful_first_run_prints_no_traceback_no_error_and_one_summary(tmp
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     env = without_quiet_switches(env)
     env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "run", "--data", str(data)]
+    command = [*RLHF_COMMAND, "run", "--data", str(data)]
     command += ["--params", str(PARAMS), "--config", str(TINY), *SHORTER]
 
     stderr_file = tmp_path / "stderr.txt"

@@ -12,11 +12,11 @@ slot stayed taken in PREFECT_HOME's database and the rerun waited forever).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
@@ -33,7 +33,7 @@ RUN_DEADLINE_S = 900
 def run_command(data: Path) -> list[str]:
     """`rlhf run` up to PPO on the tiny config, with a PPO run long enough to be killed in the middle."""
     return [
-        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "run",
         "--params", str(PARAMS),
         "--config", str(TINY),

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import save_rm_output, save_sft_output, tiny_config  # noqa: F401
 
@@ -39,7 +40,6 @@ with output_lock(Path(sys.argv[1]), "holder"):
     print("locked", flush=True)
     time.sleep(600)
 """
-CLI = [sys.executable, "-c", "from rlhf_cli.main import main; main()"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -86,7 +86,7 @@ def rlhf_sft(data_dir: Path, out: Path, *overrides: str) -> subprocess.Popen[str
 def rlhf(*args: str | Path) -> subprocess.Popen[str]:
     """`rlhf ARGS...` started in its own process."""
     return subprocess.Popen(
-        [*CLI, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*RLHF_COMMAND, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

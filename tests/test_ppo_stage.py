@@ -8,12 +8,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 from safetensors.torch import load_file
@@ -126,9 +126,7 @@ def test_unfinished_inputs_are_refused(inputs: StageInputs, tmp_path: Path) -> N
 
 def rlhf_ppo(inputs: StageInputs, out: Path) -> subprocess.Popen[str]:
     command = [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "ppo",
         "-c",
         str(TINY),

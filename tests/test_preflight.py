@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.servers import S3Server, free_port
@@ -138,7 +138,7 @@ def test_the_dvc_remote_is_read_from_the_repository_config(tmp_path: Path, monke
 
 def rlhf(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The console entry point in a fresh process (PYTHONPATH: this checkout), as a user runs it."""
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    command = [*RLHF_COMMAND, *args]
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
     return subprocess.run(
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False

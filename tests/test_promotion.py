@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.paths import PARAMS, TINY
+from fixtures.stage_outputs import stage_output
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -60,7 +61,7 @@ from tasks.caching import with_cache_dir
 from tasks.evaluation import JudgeSpec, evaluate_task
 from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import close_run, open_pipeline_run
-from tasks.outputs import StageOutput, output_sha256
+from tasks.outputs import StageOutput
 from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
 from tasks.stages import StageContext
 from tasks.registry import (
@@ -100,11 +101,6 @@ class Scenario:
     calls: dict[str, Counter[str]]  # step -> calls of generate_pairs and judge_pairs during it
     server_states: dict[str, State]  # step -> the flow run's final state as the Prefect server has it
     pipeline_evaluation: StageOutput  # step P
-
-
-def stage_output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-    model_dir = out_dir / "model" if with_model else None
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
 
 
 def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: float) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_core.config import load_config
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rlhf(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    command = [*RLHF_COMMAND, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 

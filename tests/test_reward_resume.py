@@ -16,13 +16,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import write_prepared_data
 from safetensors.torch import load_file
@@ -56,9 +56,7 @@ def config() -> Config:
 def command(data_dir: Path, out: Path) -> list[str]:
     overrides = [arg for setting in SETTINGS for arg in ("-s", setting)]
     return [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "train-rm",
         "-c",
         str(TINY),

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT
 from fixtures.servers import log_tail, start_prefect_server, stop_server
 
@@ -31,7 +31,7 @@ def start_serving(api_url: str, project: Path, log_path: Path) -> subprocess.Pop
     env |= {"PREFECT_API_URL": api_url, "PREFECT_HOME": str(project / "prefect-home"), "PYTHONPATH": str(ROOT)}
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-c", "from rlhf_cli.main import main; main()", "serve"],
+            [*RLHF_COMMAND, "serve"],
             cwd=project, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip

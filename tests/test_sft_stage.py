@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import tiny_config, write_prepared_data
@@ -161,9 +161,7 @@ def test_a_missing_data_dir_is_named_before_any_model_loads(tmp_path: Path) -> N
 def rlhf_sft_command(data_dir: Path, out: Path) -> list[str]:
     """`rlhf sft` on the tiny model for 2 steps, runnable from any directory."""
     return [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "sft",
         "--params",
         str(PARAMS),
