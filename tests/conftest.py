@@ -1,9 +1,9 @@
-"""Fixtures shared by the whole suite.
+"""Fixtures shared by the whole suite. A test module uses these and the helpers of tests/fixtures/; it
+does not define its own copies (tests/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
-Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py; the repository's paths
-(`ROOT`, `PARAMS`, `TINY`): tests/fixtures/paths.py. A test module uses these; it does not define its own
-(tests/test_shared_fixtures.py checks).
+Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,
+`PARAMS`, `TINY`, ...): tests/fixtures/paths.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import multiprocessing
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -21,6 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.rollout import kernel_library
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 pytest_plugins = ["fixtures.servers"]
 
@@ -43,6 +46,18 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), once per module."""
     return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
+
+
+@pytest.fixture
+def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
+    """A fresh working directory (tmp_path) with an embedded SQLite MLflow store, for a pipeline run in this
+    process against the test Prefect server; returns the store's client."""
+    from mlflow import MlflowClient  # imported here: MLflow costs seconds to import
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return MlflowClient(uri)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.paths import PARAMS, TINY, TINY_GRID
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -44,7 +44,6 @@ from tasks.outputs import directory_sha256
 
 pytestmark = pytest.mark.slow
 
-TINY_GRID = ROOT / "configs" / "ablations" / "tiny.yaml"
 THIRD = {"name": "ppo_max-no_value_clip", "preset": "ppo_max", "overrides": ["ppo.value_clip=null"]}
 FAILING = {"name": "boom", "preset": "ppo_max", "overrides": ["ppo.value_clip=0.1"]}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

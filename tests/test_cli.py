@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 from fixtures.commands import RLHF_COMMAND
-from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.paths import PARAMS, ROOT, SHARED_PAIRS, TINY
 from fixtures.tiny_ppo import hh_pair
-
-SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 
 
 def rlhf(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

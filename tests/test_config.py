@@ -11,7 +11,6 @@ from fixtures.paths import PARAMS, ROOT, TINY
 from rlhf_core.config import PPO_PRESETS, ConfigError, load_config, parse_override
 
 
-
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "overlay.yaml"
     path.write_text(text)

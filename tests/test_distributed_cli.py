@@ -19,7 +19,6 @@ from rlhf_core.stages.prepare_data import run_prepare_data
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 @pytest.mark.slow
 def test_sft_command_launches_the_configured_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

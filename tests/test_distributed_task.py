@@ -28,13 +28,10 @@ STEPS = 2
 
 
 @pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
-    """A fresh working directory and embedded MLflow store; returns that store's client."""
-    monkeypatch.chdir(tmp_path)
+def project(mlflow_store: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> MlflowClient:
+    """The shared `mlflow_store`, and one OpenMP thread in each rank the task launches (they inherit it)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return MlflowClient(uri)
+    return mlflow_store
 
 
 def two_rank_sft(data: Path, *overrides: str) -> PipelineSettings:

@@ -170,15 +170,6 @@ def test_the_judge_refuses_a_multi_process_configuration(tmp_path: Path) -> None
         run_judge_rm(tiny_config("distributed.num_processes=2"), tmp_path / "data", tmp_path / "judge")
 
 
-@pytest.fixture
-def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
-    """A fresh working directory with an embedded SQLite MLflow store; its client."""
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return MlflowClient(uri)
-
-
 def pipeline_settings(data: Path, judge_rm: str, stages: list[Stage]) -> PipelineSettings:
     return PipelineSettings(
         config=[str(TINY)],

@@ -15,10 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fixtures.paths import ROOT
+from fixtures.paths import ROOT, SHARED_PAIRS
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 PEAK_TFLOPS = 0.5  # a made-up CPU "peak", so that the dry run computes and prints MFU too
 DRY_RUN_TIMEOUT_S = 1500
 

@@ -29,7 +29,7 @@ from uuid import UUID
 import pytest
 from botocore.client import BaseClient
 from fixtures.pairs import write_topic_pairs
-from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.paths import PARAMS, TINY, TINY_GRID
 from fixtures.servers import S3Server, _Server, log_tail, start_server, stop_server
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -72,7 +72,6 @@ HANDOVER_BUCKET = "rlhf-handover"
 PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
 ABLATION_DEPLOYMENT_NAME = "gpu-pool-test"
 ABLATION_STORE = f"s3://{HANDOVER_BUCKET}/ablation-store"
-TINY_GRID = ROOT / "configs" / "ablations" / "tiny.yaml"
 VARIANTS = ("vanilla", "ppo_max")  # TINY_GRID's
 WORKER_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600

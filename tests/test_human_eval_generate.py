@@ -25,7 +25,6 @@ from rlhf_core.stages.result import write_metrics
 from tasks.human_eval import generate_pairs_task
 
 
-
 def hh_row(index: int) -> str:
     prompt = f"\n\nHuman: Tell me about gardening number {index}."
     return json.dumps(

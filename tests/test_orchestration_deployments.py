@@ -14,7 +14,6 @@ from prefect.flows import load_flow_from_entrypoint
 from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
 
 
-
 @pytest.fixture(scope="module")
 def declared() -> dict[str, dict]:
     document = yaml.safe_load((ROOT / "prefect.yaml").read_text())

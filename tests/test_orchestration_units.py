@@ -25,7 +25,6 @@ from tasks.retries import is_retryable
 from tasks.stages import STAGE_SECTIONS
 
 
-
 @pytest.fixture(scope="module")
 def tiny_config():
     return load_config(PARAMS, [TINY])

@@ -19,7 +19,6 @@ from rlhf_core.stages.sft import run_sft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def rlhf(*args: str) -> subprocess.CompletedProcess[str]:
     command = [*RLHF_COMMAND, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -26,7 +26,6 @@ from rlhf_core.training.checkpoint import complete_checkpoints
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def hh_rows(count: int) -> list[dict[str, str]]:
     """HH transcripts; every third one is multi-turn, so the SFT mask meets earlier assistant turns."""
     rows = []

@@ -28,7 +28,6 @@ from rlhf_core.stages.training_run import RUN_INPUTS_FILE, ResumeMismatchError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 @pytest.fixture(scope="module")
 def finished_sft(inputs: StageInputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sft") / "sft"
