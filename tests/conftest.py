@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import StageInputs, hh_pair, write_prepared_data, write_stage_inputs
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.rollout import kernel_library
 
 if TYPE_CHECKING:
+    from fixtures.tiny_ppo import StageInputs
     from mlflow import MlflowClient
 
 pytest_plugins = ["fixtures.servers"]
@@ -39,12 +39,16 @@ def tokenizer() -> PreTrainedTokenizerBase:
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
     """What `rlhf ppo` reads (prepared data, tiny SFT and reward-model outputs), built once per module: the
     SFT and reward-model stages are not run."""
+    from fixtures.tiny_ppo import write_stage_inputs  # imported here: only modules that use it pay for it
+
     return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), once per module."""
+    from fixtures.tiny_ppo import hh_pair, write_prepared_data
+
     return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
 
 
