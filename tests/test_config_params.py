@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.paths import PARAMS, ROOT
 from pydantic import BaseModel
 
 from rlhf_core.config import PPO_PRESETS, PRESET_SWITCHES, Config, PPOConfig, read_yaml_mapping
 
-ROOT = Path(__file__).resolve().parents[1]
-PARAMS = ROOT / "params.yaml"
 README = ROOT / "README.md"
 
 # Left out of params.yaml on purpose: the switches (a pinned switch would defeat `preset: vanilla`)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.tiny_ppo import trainer_data
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
@@ -20,15 +21,9 @@ from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.learner import LocalLearner
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.scoring import RewardModelScorer
-from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+from rlhf_core.ppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-PROMPTS = [
-    [{"role": "user", "content": f"Tell me something about the number {i}." + " Please!" * i}]
-    for i in range(8)
-]
-SFT = [([{"role": "user", "content": f"Say {i}."}], f"I say {i}, then {i + 1}.") for i in range(8)]
 
 
 def make_trainer(
@@ -61,7 +56,7 @@ def make_trainer(
         critic=Critic.from_reward_model(reward_model),
         scorer=RewardModelScorer(reward_model, micro_batch_size=2),
     )
-    data = PPOData(prompts=PROMPTS, val_prompts=PROMPTS[:2], ptx_examples=SFT)
+    data = trainer_data()
     return PPOTrainer(models, tokenizer, data, config, seed=0)
 
 
