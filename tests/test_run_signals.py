@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from tasks.outputs import COMPLETE_MARKER, directory_sha256
 
 pytestmark = pytest.mark.slow  # whole `rlhf run` processes, each with a Prefect server
 
-REPO = Path(__file__).resolve().parents[1]
 STOP_DEADLINE_S = 10  # what the issue asks
 START_DEADLINE_S = 600  # guards for a hung run, not measurements
 RUN_DEADLINE_S = 900
@@ -43,8 +43,8 @@ def run_command(data: Path, stage: str, runs_dir: str = "runs") -> list[str]:
     return [
         sys.executable, "-c", "from rlhf_cli.main import main; main()",
         "run",
-        "--params", str(REPO / "params.yaml"),
-        "--config", str(REPO / "configs" / "tiny.yaml"),
+        "--params", str(PARAMS),
+        "--config", str(TINY),
         "-s", f"{prefix}.max_steps=12",
         "-s", f"{prefix}.checkpoint_every=2",
         "--data", str(data),
@@ -58,7 +58,7 @@ def project_env(project: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     return env | {
         "PREFECT_HOME": str(project / "prefect-home"),
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": str(ROOT),
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
     }
 
