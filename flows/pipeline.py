@@ -18,7 +18,8 @@ config overlays and overrides, the data source, and the stages to run. The flow
    optimised against); register registers the reward model, that judge and the policy, and tags the
    policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
-   that error, so the flow run is Failed with it.
+   that error, so the flow run is Failed with it; a SIGINT or SIGTERM (Crashed) is logged with the
+   stage it stopped (`log_stop`).
 
 `stages` names the stages wanted; the stages they depend on run too (as cache hits when nothing
 changed), the way `dvc repro <stage>` does. Relative paths in the settings are relative to the working
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import Enum
+from logging import Logger, LoggerAdapter
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -37,6 +39,7 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.stage_clock import StageClock
+from flows.stop_signals import signal_name, stop_signal
 from rlhf_core.config import Config, load_config
 from rlhf_core.layout import RUNS_DIR
 from tasks.caching import with_cache_dir
@@ -262,6 +265,18 @@ def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput],
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.out_dir", str(output.out_dir))
 
 
+def log_stop(logger: Logger | LoggerAdapter, error: BaseException, stage: str | None) -> None:
+    """Say in the flow run's log which stage a SIGINT or SIGTERM stopped (Prefect marks the run Crashed
+    or, when its runner cancelled it, Cancelled, in words that name no stage); other errors say so themselves."""
+    signal_number = stop_signal(error)
+    if signal_number is not None:
+        logger.error(
+            "stopped by %s %s: its output is left incomplete, and a rerun with the same settings resumes it",
+            signal_name(signal_number),
+            f"during stage {stage}" if stage else "outside the stages",
+        )
+
+
 @flow(
     name="rlhf-pipeline",
     description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, evaluate, register.",
@@ -289,15 +304,16 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
     context = StageContext(
         run_dir=run_dir, cache_dir=runs_dir / CACHE_DIR_NAME, tracking=tracking, data_tags=data_tags(source)
     )
+    selected = stages_to_run(settings.stages)
+    clock = StageClock([stage.value for stage in stages_in_order(selected, config)], logger)
     try:
         settings.remote.check_tracking(tracking.tracking_uri)
-        selected = stages_to_run(settings.stages)
-        clock = StageClock([stage.value for stage in stages_in_order(selected, config)], logger)
         outputs, registered = run_stages(
             config, source, selected, context, context.cache_dir, lineage, settings.remote, clock
         )
         record_stage_runs(tracking, outputs, clock.minutes)
     except BaseException as error:
+        log_stop(logger, error, clock.current)
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
     close_run(tracking.client(), tracking.parent_run_id)

@@ -7,20 +7,16 @@ gone, each call is retried with backoff, and the process outlived the signal by 
 (issue 31). Here the graceful shutdown gets SHUTDOWN_GRACE_S; past that the process says so in one
 line and exits, so `rlhf serve` stops within 5 s of the signal whatever the server does
 (tests/test_serve_signals.py, with a real server and process). A shutdown that finishes in time runs
-the exit handlers and then skips the interpreter's slow teardown (`exit_without_teardown`).
+the exit handlers and then skips the interpreter's slow teardown (flows/stop_signals.py, shared with
+`rlhf run`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import signal
 import sys
-import threading
-from collections.abc import Callable
-from types import FrameType
-from typing import Any, NoReturn
 
 from prefect.deployments.runner import RunnerDeployment
 from prefect.exceptions import TerminationSignal
@@ -28,12 +24,10 @@ from prefect.runner import Runner
 from prefect.settings import PREFECT_API_URL
 
 from flows.deployments import DEPLOYMENTS, runner_deployment
+from flows.stop_signals import STOP_SIGNALS, exit_without_teardown, signal_name, with_deadline
 
 SHUTDOWN_GRACE_S = 3.0  # then the process exits (5 s promised, with room for a loaded machine)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STARTED_POLL_S = 0.1
-
-SignalHandler = Callable[[int, FrameType | None], Any]
 
 
 def serve_deployments(limit: int | None = None) -> None:
@@ -49,7 +43,7 @@ def serve_deployments(limit: int | None = None) -> None:
         asyncio.run(serve_until_stopped(runner, deployments))
     except (KeyboardInterrupt, TerminationSignal):
         pass  # the graceful shutdown finished in time
-    exit_without_teardown()
+    exit_without_teardown(0)
 
 
 async def serve_until_stopped(runner: Runner, deployments: list[RunnerDeployment]) -> None:
@@ -62,7 +56,7 @@ async def serve_until_stopped(runner: Runner, deployments: list[RunnerDeployment
     started = asyncio.ensure_future(runner.start())
     await asyncio.sleep(0)  # let runner.start() install its SIGTERM handler
     for signal_number in STOP_SIGNALS:
-        signal.signal(signal_number, with_deadline(signal.getsignal(signal_number)))
+        signal.signal(signal_number, with_deadline(signal.getsignal(signal_number), SHUTDOWN_GRACE_S, stop_now))
     while not (runner.started or started.done()):  # "serving" is said once the runner runs
         await asyncio.sleep(STARTED_POLL_S)
     names = ", ".join(f"{deployment.flow_name}/{deployment.name}" for deployment in deployments)
@@ -71,39 +65,10 @@ async def serve_until_stopped(runner: Runner, deployments: list[RunnerDeployment
     await started
 
 
-def with_deadline(previous: SignalHandler | int | None) -> SignalHandler:
-    """A handler that starts the shutdown deadline, then does what `previous` did (Prefect's graceful
-    shutdown); a second signal changes nothing, the deadline already runs."""
-    deadline_started = threading.Event()
-
-    def handle(signal_number: int, frame: FrameType | None) -> None:
-        if not deadline_started.is_set():
-            deadline_started.set()
-            timer = threading.Timer(SHUTDOWN_GRACE_S, stop_now, args=(signal_number,))
-            timer.daemon = True
-            timer.start()
-        if callable(previous):
-            previous(signal_number, frame)
-        else:
-            sys.exit(128 + signal_number)
-
-    return handle
-
-
-def exit_without_teardown() -> NoReturn:
-    """Run the exit handlers (Prefect's log and event workers send what they hold there) and exit with
-    status 0, skipping the interpreter's teardown of torch, MLflow and Prefect: that alone took about
-    3 s on a loaded 2-core machine, most of the 5 s a stop may take."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def stop_now(signal_number: int) -> None:
     """Exit at once: the graceful shutdown overran its deadline (the Prefect server did not answer)."""
     print(
-        f"rlhf serve: stopped {SHUTDOWN_GRACE_S:g} s after {signal.Signals(signal_number).name} without finishing "
+        f"rlhf serve: stopped {SHUTDOWN_GRACE_S:g} s after {signal_name(signal_number)} without finishing "
         f"the graceful shutdown (the Prefect API at {PREFECT_API_URL.value()} did not answer): the deployments' "
         "schedules may still be active",
         file=sys.stderr,

@@ -10,22 +10,44 @@ settings when Prefect is first imported (inside the command). `in_process_flow` 
 1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
 3. imports Prefect, whose console handler the next step must find, and
-4. sends other libraries' warnings and notices to a log file under the runs directory, their progress
+4. registers the temporary server Prefect will start (rlhf_cli/temporary_server.py),
+5. turns SIGINT and SIGTERM into an orderly stop (`stop_in_order`), and
+6. sends other libraries' warnings and notices to a log file under the runs directory, their progress
    bars off when stderr is not a terminal (rlhf_cli/library_logs.py), so a flow that works prints its
    progress and its summary only, and then the log file's name.
+
+An orderly stop: Prefect turns SIGTERM into an exception inside a flow run, marks the run Crashed, and
+then sends SIGTERM again to whatever handler was there before; with Python's default one the process
+died on the spot, without its exit handlers, and left the temporary server running, re-parented to
+PID 1 and listening on its port (issue 30). Here SIGINT and SIGTERM raise in the main thread from
+start to end (the flow logs the stage it stopped in, flows/pipeline.py); once Prefect has marked the
+flow run, the command sends the run's last log lines, stops the server, says in one line that it
+stopped and exits with 128 + the signal, all within STOP_GRACE_S of the signal, or else kills the
+server and exits (flows/stop_signals.py). The stage it stopped in has no `metrics.json`, so it is incomplete, and the
+same command run again resumes it (tasks/resume.py). tests/test_run_signals.py checks it all.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
+from flows.stop_signals import STOP_SIGNALS, exit_without_teardown, signal_name, stop_signal, with_deadline
 from rlhf_cli.library_logs import library_log, run_log_path
 from rlhf_cli.options import resolve_config
 from rlhf_core.config import Config
+
+if TYPE_CHECKING:  # imported when used: Prefect must read TEMPORARY_SERVER_SETTINGS when first imported
+    from prefect.server.api.server import SubprocessASGIServer
 
 # For the temporary Prefect server:
 # - its telemetry heartbeat fails offline ("Failed to send telemetry") and races the run for its SQLite
@@ -38,6 +60,10 @@ TEMPORARY_SERVER_SETTINGS = {
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
+# From the first SIGINT or SIGTERM to the process's exit: 10 s promised, with room for a loaded machine.
+STOP_GRACE_S = 7.0
+LOG_DRAIN_S = 2.0  # for the flow run's last log lines to reach the Prefect server
+SERVER_STOP_WAIT_S = 2.0  # from SIGTERM to SIGKILL for the temporary server, once the flow run is marked
 
 
 def use_temporary_server_settings() -> None:
@@ -61,7 +87,10 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
     import prefect  # noqa: F401 - configures the root logger's console handler on import
 
-    with library_log(run_log_path(runs_dir)) as log_path:
+    from rlhf_cli.temporary_server import register_temporary_server
+
+    server = register_temporary_server()
+    with stop_in_order(server), library_log(run_log_path(runs_dir)) as log_path:
         yield log_path
 
 
@@ -89,3 +118,57 @@ def flow_here(
                 "runs_dir": str(runs_dir),
             },
         )
+
+
+@contextmanager
+def stop_in_order(server: SubprocessASGIServer | None) -> Iterator[None]:
+    """While the block runs, the first SIGINT or SIGTERM raises KeyboardInterrupt or Prefect's
+    TerminationSignal in the main thread (later ones change nothing); once that has unwound the block,
+    send the flow run's logs, stop `server`, say so and exit without the interpreter's teardown (module
+    docstring), or else `stop_now` at STOP_GRACE_S."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.logging.handlers import APILogWorker
+
+    from rlhf_cli.temporary_server import stop_server_process
+
+    stopping = threading.Event()
+
+    def raise_once(signal_number: int, frame: FrameType | None) -> None:
+        if stopping.is_set():
+            return  # Prefect sends SIGTERM again once it has marked the flow run; the stop is under way
+        stopping.set()
+        raise KeyboardInterrupt if signal_number == signal.SIGINT else TerminationSignal(signal=signal_number)
+
+    handler = with_deadline(raise_once, STOP_GRACE_S, partial(stop_now, server))
+    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+    try:
+        yield
+    except (KeyboardInterrupt, TerminationSignal) as stop:
+        number = stop_signal(stop)
+        APILogWorker.drain_all(timeout=LOG_DRAIN_S)  # the flow run's last lines (the stage it stopped) first
+        if server is not None:
+            stop_server_process(server, SERVER_STOP_WAIT_S)
+        print(
+            f"rlhf: stopped by {signal_name(number)}: an interrupted stage's output is left incomplete, and the "
+            "same command run again resumes it",
+            file=sys.stderr,
+            flush=True,
+        )
+        exit_without_teardown(128 + number)
+    finally:
+        for number, earlier in previous.items():
+            signal.signal(number, earlier)
+
+
+def stop_now(server: SubprocessASGIServer | None, signal_number: int) -> NoReturn:
+    """Kill the temporary server (if any) and exit at once: the orderly stop overran STOP_GRACE_S."""
+    process = server.server_process if server is not None else None
+    if process is not None:
+        process.kill()
+    print(
+        f"rlhf: stopped {STOP_GRACE_S:g} s after {signal_name(signal_number)} without finishing the orderly stop: "
+        "the temporary Prefect server killed, the flow run may not be marked",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signal_number)

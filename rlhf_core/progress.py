@@ -9,10 +9,11 @@ a caller mirrors it elsewhere (a Prefect progress artifact).
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 
 from tqdm.auto import tqdm
 
@@ -54,3 +55,20 @@ def progress(total: int, desc: str, unit: str, on_advance: ProgressCallback | No
         yield tracker
     finally:
         tracker.close()
+
+
+@contextmanager
+def unswitchable_bars_hidden() -> Iterator[None]:
+    """While the block runs, hold what is written to sys.stderr unless `bars_enabled()`: for a library bar
+    that has no switch of its own (transformers' GGUF conversion draws a plain tqdm bar). What was held is
+    written out after all if the block raises, so no message that explains a failure is lost."""
+    if bars_enabled():
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise

@@ -1,7 +1,9 @@
-"""Fixtures shared by the whole suite.
+"""Fixtures shared by the whole suite. A test module uses these and the helpers of tests/fixtures/; it
+does not define its own copies (tests/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
-Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py.
+Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,
+`PARAMS`, `TINY`, ...): tests/fixtures/paths.py.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import multiprocessing
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,6 +20,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.rollout import kernel_library
+
+if TYPE_CHECKING:
+    from fixtures.tiny_ppo import StageInputs
+    from mlflow import MlflowClient
 
 pytest_plugins = ["fixtures.servers"]
 
@@ -27,6 +33,35 @@ def tokenizer() -> PreTrainedTokenizerBase:
     """The real SmolLM2 tokenizer (the tiny models use it too); one per module, so no test sees
     another module's changes to it."""
     return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+    """What `rlhf ppo` reads (prepared data, tiny SFT and reward-model outputs), built once per module: the
+    SFT and reward-model stages are not run."""
+    from fixtures.tiny_ppo import write_stage_inputs  # imported here: only modules that use it pay for it
+
+    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), once per module."""
+    from fixtures.tiny_ppo import hh_pair, write_prepared_data
+
+    return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
+
+
+@pytest.fixture
+def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
+    """A fresh working directory (tmp_path) with an embedded SQLite MLflow store, for a pipeline run in this
+    process against the test Prefect server; returns the store's client."""
+    from mlflow import MlflowClient  # imported here: MLflow costs seconds to import
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return MlflowClient(uri)
 
 
 @pytest.fixture(scope="session", autouse=True)

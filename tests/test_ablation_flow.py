@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.paths import PARAMS, TINY, TINY_GRID
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -43,8 +44,6 @@ from tasks.outputs import directory_sha256
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_GRID = REPO / "configs" / "ablations" / "tiny.yaml"
 THIRD = {"name": "ppo_max-no_value_clip", "preset": "ppo_max", "overrides": ["ppo.value_clip=null"]}
 FAILING = {"name": "boom", "preset": "ppo_max", "overrides": ["ppo.value_clip=0.1"]}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -114,9 +113,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_
     # draws both ppo_max variants validate best at step 0 and hand on the SFT policy, and the second one's
     # evaluation of the same output is (rightly) a cache hit, which is not what these tests are about
     common = {
-        "base": str(root / "base"), "config": [str(REPO / "configs" / "tiny.yaml")],
+        "base": str(root / "base"), "config": [str(TINY)],
         "overrides": ["ppo.rollout.sampler=multinomial"],
-        "params_file": str(REPO / "params.yaml"), "runs_dir": str(root / "runs"),
+        "params_file": str(PARAMS), "runs_dir": str(root / "runs"),
     }  # fmt: skip
     uri = f"sqlite:///{root / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as patch, temporary_settings(updates={PREFECT_API_URL: prefect_server}):

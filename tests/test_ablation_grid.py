@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_core.ablation.grid import GridSpec, VariantSpec, plan_ablation, read_grid
 from rlhf_core.config import PPO_PRESETS, ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
-PARAMS = REPO / "params.yaml"
-TINY = REPO / "configs" / "tiny.yaml"
-GRIDS = REPO / "configs" / "ablations"
+GRIDS = ROOT / "configs" / "ablations"
 
 
 def switches(variant) -> dict[str, object]:

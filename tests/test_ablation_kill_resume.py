@@ -15,18 +15,18 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
+from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 PPO_STEPS = 12
 CHECKPOINT_EVERY = 2
 START_DEADLINE_S = 600
@@ -36,13 +36,13 @@ RUN_DEADLINE_S = 900
 def ablate_command(base: Path, runs_dir: Path) -> list[str]:
     """`rlhf ablate` of the tiny grid's vanilla variant, with a PPO run long enough to be killed in the middle."""
     return [
-        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "ablate",
-        "--grid", str(REPO / "configs" / "ablations" / "tiny.yaml"),
+        "--grid", str(ROOT / "configs" / "ablations" / "tiny.yaml"),
         "--variant", "vanilla",
         "--base", str(base),
-        "--params", str(REPO / "params.yaml"),
-        "--config", str(REPO / "configs" / "tiny.yaml"),
+        "--params", str(PARAMS),
+        "--config", str(TINY),
         "-s", f"ppo.steps={PPO_STEPS}",
         "-s", f"ppo.checkpoint_every={CHECKPOINT_EVERY}",
         "--runs-dir", str(runs_dir),
@@ -57,7 +57,7 @@ def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path:
     env |= {
         "PREFECT_HOME": str(tmp_path / "prefect-home"),  # one temporary server's database for both runs
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
     }
     command = ablate_command(tmp_path / "base", tmp_path / "runs")

@@ -14,16 +14,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from fixtures.paths import ROOT, TINY
 
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 BATCH, PROMPT, RESPONSE, ITERATIONS, EPOCHS, PEAK_TFLOPS = 4, 32, 8, 2, 2, 0.5
 
@@ -42,7 +41,7 @@ def load_benchmark_module(name: str) -> ModuleType:
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("benchmark") / "report.json"
     command = [
-        sys.executable, str(BENCHMARKS / "ppo_throughput.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+        sys.executable, str(BENCHMARKS / "ppo_throughput.py"), "--config", str(TINY),
         "--iterations", str(ITERATIONS), "--warmup-iterations", "0", "--batch-size", str(BATCH),
         "--mini-batch-size", "2", "--micro-batch-size", "2", "--prompt-length", str(PROMPT),
         "--response-length", str(RESPONSE), "--ppo-epochs", str(EPOCHS), "--data", "synthetic",

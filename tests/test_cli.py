@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-SHARED_PAIRS = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import PARAMS, ROOT, SHARED_PAIRS, TINY
+from fixtures.tiny_ppo import hh_pair
 
 
 def rlhf(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """Run the installed console entry point in a fresh process."""
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    command = [*RLHF_COMMAND, *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
-def hh_pair(number: int) -> dict[str, str]:
-    prompt = f"\n\nHuman: How do I water plant number {number}?"
-    return {
-        "chosen": f"{prompt}\n\nAssistant: Water it weekly, plant {number} likes moist soil.",
-        "rejected": f"{prompt}\n\nAssistant: Never water plant {number}.",
-    }
 
 
 @pytest.mark.slow
@@ -125,7 +115,7 @@ def test_refused_data_names_the_offending_rows_and_leaves_the_report_beside_the_
 def test_a_missing_local_path_is_named_and_not_looked_up_on_the_hub(tmp_path: Path, where: str) -> None:
     (tmp_path / "raw").mkdir()
     out = tmp_path / "out"
-    params = str(ROOT / "params.yaml")
+    params = str(PARAMS)
     result = rlhf("prepare-data", "--params", params, "-c", str(TINY), "--data", where, "--out", str(out), cwd=tmp_path)
     assert result.returncode == 1
     assert f"input not found: {where.removeprefix('./')} (a local path, so it was not looked up" in result.stderr

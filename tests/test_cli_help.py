@@ -8,17 +8,17 @@ In-process through Typer's runner: `--help` never reaches a command's body.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
+from fixtures.paths import ROOT
 from typer.testing import CliRunner
 
 from flows.pipeline import Stage
 from rlhf_cli.main import app
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = ROOT / "README.md"
 # Typer's type tags: a type name, a list of one, a choice (`<a|b>`) or a range; not a placeholder (`runs/<id>`).
 TYPE_TAG = re.compile(r"<(bool|str|int|float|path|file|directory|datetime|uuid|list\[[^\]]*\]|[^<>\s]*\|[^<>\s]*|[^<>]* range)>")
 # A README row: | `rlhf data add FILE` | `--remote`, `--push`/`--no-push`, ... |

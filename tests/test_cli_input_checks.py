@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, ROOT
 from fixtures.tiny_ppo import write_stage_inputs
 
 from tasks.ablation_base import BaseReference
 
-REPO = Path(__file__).resolve().parents[1]
-PARAMS = REPO / "params.yaml"
-GRID = REPO / "configs" / "ablations" / "paper.yaml"
+GRID = ROOT / "configs" / "ablations" / "paper.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_core.config import PPO_PRESETS, ConfigError, load_config, parse_override
-
-ROOT = Path(__file__).resolve().parents[1]
-PARAMS = ROOT / "params.yaml"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -22,7 +20,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_shipped_files_resolve() -> None:
     base = load_config(PARAMS)
     assert base.model.kind == "smollm2"
-    tiny = load_config(PARAMS, overlays=[ROOT / "configs" / "tiny.yaml"])
+    tiny = load_config(PARAMS, overlays=[TINY])
     assert tiny.model.kind == "tiny" and tiny.sft.max_steps == 4
     paper = load_config(PARAMS, overlays=[ROOT / "configs" / "paper-7b.yaml"])
     assert paper.ppo.policy_lr == 5e-7 and paper.ppo.critic_lr == 1.65e-6

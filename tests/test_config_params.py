@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.paths import PARAMS, ROOT
 from pydantic import BaseModel
 
 from rlhf_core.config import PPO_PRESETS, PRESET_SWITCHES, Config, PPOConfig, read_yaml_mapping
 
-ROOT = Path(__file__).resolve().parents[1]
-PARAMS = ROOT / "params.yaml"
 README = ROOT / "README.md"
 
 # Left out of params.yaml on purpose: the switches (a pinned switch would defeat `preset: vanilla`)
@@ -115,7 +113,7 @@ def test_readme_names_functions_that_exist() -> None:
     for switch, (*_, implemented_by) in readme_switch_table().items():
         for dotted in re.findall(r"`((?:ppo|stages)\.[\w.]+)`", implemented_by):
             module_path, _, attribute = dotted.rpartition(".")
-            if module_path.count(".") > 1:  # ppo.learner.LocalLearner.finish_step: a method
+            if module_path.count(".") > 1:  # ppo.learner.LocalLearner.clip_gradients: a method
                 module_path, _, owner = module_path.rpartition(".")
                 target = getattr(importlib.import_module(f"rlhf_core.{module_path}"), owner)
             else:

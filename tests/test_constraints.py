@@ -7,12 +7,11 @@ pip backtrack again: README.md, "Quickstart"); a pin outside its range would mak
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
+from fixtures.paths import ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
 UNPINNED = {"torch"}  # the install command names its build (CPU or CUDA)
 
 

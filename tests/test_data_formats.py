@@ -5,14 +5,10 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from fixtures.pairs import hh
 
 from rlhf_core.data.formats import PreferenceFormat, detect_format, parse_row
 from rlhf_core.data.records import Drop, DropReason, PreferencePair
-
-
-def hh(*turns: tuple[str, str]) -> str:
-    """An HH transcript from (speaker, text) turns."""
-    return "".join(f"\n\n{speaker}: {text}" for speaker, text in turns)
 
 
 def parse(row: dict) -> PreferencePair | Drop:

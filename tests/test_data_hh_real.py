@@ -5,25 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.pairs import word_lengths
+from fixtures.paths import SHARED_PAIRS
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import load_split, prepare_preference_data
-from rlhf_core.data.records import PreferencePair
-from rlhf_core.data.validation import TokenLengths
-
-REAL_PAIRS = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
 
 
-def word_lengths(pair: PreferencePair) -> TokenLengths:
-    prompt = sum(len(message["content"].split()) for message in pair.prompt)
-    return TokenLengths(prompt, prompt + len(pair.chosen.split()), prompt + len(pair.rejected.split()))
-
-
-@pytest.mark.skipif(not REAL_PAIRS.is_file(), reason=f"shared real data not found at {REAL_PAIRS}")
+@pytest.mark.skipif(not SHARED_PAIRS.is_file(), reason=f"shared real data not found at {SHARED_PAIRS}")
 def test_real_hh_pairs_are_mostly_kept_and_split_without_shared_prompts(tmp_path: Path) -> None:
     settings = DataConfig(eval_fraction=0.05, rm_val_fraction=0.05, ppo_fraction=0.2, max_total_tokens=2048)
     out_dir = tmp_path / "prepared"
-    report = prepare_preference_data([REAL_PAIRS], out_dir, settings, word_lengths)
+    report = prepare_preference_data([SHARED_PAIRS], out_dir, settings, word_lengths)
 
     assert report.rows_read == 1800
     assert report.formats == {"hh_transcript": 1800}
@@ -33,7 +26,7 @@ def test_real_hh_pairs_are_mostly_kept_and_split_without_shared_prompts(tmp_path
     # Known quirks of this file: a few empty final replies and a few non-alternating transcripts.
     assert dropped["empty_reply"].count >= 1 and dropped["malformed_turns"].count >= 1
     for summary in dropped.values():
-        assert summary.examples and all(example.source == REAL_PAIRS.name for example in summary.examples)
+        assert summary.examples and all(example.source == SHARED_PAIRS.name for example in summary.examples)
 
     splits = {name: load_split(out_dir, name) for name in ("rm_train", "rm_val", "eval")}
     ppo = load_split(out_dir, "ppo_prompts")

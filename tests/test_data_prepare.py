@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fixtures.pairs import hh, word_lengths
 
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import DataConfig
@@ -22,21 +23,11 @@ from rlhf_core.data.prepare import (
 )
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.records import PreferencePair
-from rlhf_core.data.validation import DataValidationError, TokenLengths
+from rlhf_core.data.validation import DataValidationError
 from rlhf_core.layout import DATA_REPORT_FILE
 
 OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet",
                 "ppo_val_prompts.parquet", "ppo_pairs.parquet", DATA_REPORT_FILE, "metrics.json"}
-
-
-def word_lengths(pair: PreferencePair) -> TokenLengths:
-    """Whitespace 'tokenizer': what the stage does with a real tokenizer and chat template."""
-    prompt = sum(len(message["content"].split()) for message in pair.prompt)
-    return TokenLengths(prompt, prompt + len(pair.chosen.split()), prompt + len(pair.rejected.split()))
-
-
-def hh(*turns: tuple[str, str]) -> str:
-    return "".join(f"\n\n{speaker}: {text}" for speaker, text in turns)
 
 
 def good_hh(number: int) -> dict:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from fixtures.distributed_runs import free_port
+from fixtures.paths import PARAMS, TINY
+from fixtures.servers import free_port
 from fixtures.tiny_ppo import hh_pair, tiny_config
 from typer.testing import CliRunner
 
@@ -16,8 +17,6 @@ from rlhf_cli import stage_commands
 from rlhf_core.stages.prepare_data import run_prepare_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -36,8 +35,8 @@ def test_sft_command_launches_the_configured_processes(
         app,
         [
             "sft",
-            "--params", str(REPO / "params.yaml"),
-            "--config", str(REPO / "configs" / "tiny.yaml"),
+            "--params", str(PARAMS),
+            "--config", str(TINY),
             "-s", "sft.max_steps=2", "-s", "sft.micro_batch_size=2", "-s", "sft.grad_accum_steps=1",
             "-s", "distributed.num_processes=2", "-s", f"distributed.master_port={free_port()}",
             "--data-dir", str(tmp_path / "data"),

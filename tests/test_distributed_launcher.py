@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.paths import SCRIPTS
 
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.launcher import Launch, RankFailedError, launcher_command, run_launch
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TWO_RANKS = DistributedConfig(num_processes=2, master_port=29613)
 
 

@@ -23,10 +23,10 @@ from fixtures.distributed_runs import (
     assert_disjoint_shards,
     assert_no_shared_buffers_left,
     assert_same_weights,
-    free_port,
     read_history,
 )
-from fixtures.tiny_ppo import StageInputs, tiny_config, write_stage_inputs  # noqa: F401
+from fixtures.servers import free_port
+from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.ppo import run_ppo
@@ -56,11 +56,6 @@ COMPARED = (
     "val/reward",
     "val/kl",
 )
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
     assert_same_weights,
-    free_port,
     read_history,
 )
-from fixtures.tiny_ppo import StageInputs, tiny_config, write_stage_inputs  # noqa: F401
+from fixtures.servers import free_port
+from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.reward import run_train_rm
@@ -33,11 +33,6 @@ STEPS = 3
 COMMON = [f"reward.max_steps={STEPS}", "reward.grad_accum_steps=1", "reward.eval_every=100"]
 STEP_KEYS = ("loss", "ranking_loss", "lm_loss", "accuracy", "margin", "lr")
 FINAL_KEYS = ("val/accuracy", "val/margin_mean", "val/loss", "val/ranking_loss", "val/lm_loss", "train_loss")
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.mark.slow

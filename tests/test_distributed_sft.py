@@ -22,13 +22,12 @@ from fixtures.distributed_runs import (
     assert_disjoint_shards,
     assert_no_shared_buffers_left,
     assert_same_weights,
-    free_port,
     read_history,
 )
-from fixtures.tiny_ppo import hh_pair, tiny_config
+from fixtures.servers import free_port
+from fixtures.tiny_ppo import tiny_config
 
 from rlhf_core.distributed.launcher import launch_stage
-from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.sft import run_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,15 +36,6 @@ TOLERANCE = 1e-5
 GRAD_NORM_RELATIVE = 1e-4
 STEPS = 3
 COMMON = [f"sft.max_steps={STEPS}", "sft.grad_accum_steps=1", "sft.eval_every=100", "sft.checkpoint_every=2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    source = root / "pairs.jsonl"
-    source.write_text("".join(json.dumps(hh_pair(i)) + "\n" for i in range(60)))
-    run_prepare_data(tiny_config(), root / "data", source=str(source))
-    return root / "data"
 
 
 @pytest.mark.slow

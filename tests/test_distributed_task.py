@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fixtures.distributed_runs import free_port
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY
+from fixtures.servers import free_port
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
@@ -23,23 +24,19 @@ from tasks.mlflow_runs import STAGE_TAG
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 2
 
 
 @pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
-    """A fresh working directory and embedded MLflow store; returns that store's client."""
-    monkeypatch.chdir(tmp_path)
+def project(mlflow_store: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> MlflowClient:
+    """The shared `mlflow_store`, and one OpenMP thread in each rank the task launches (they inherit it)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return MlflowClient(uri)
+    return mlflow_store
 
 
 def two_rank_sft(data: Path, *overrides: str) -> PipelineSettings:
     return PipelineSettings(
-        config=[str(REPO / "configs" / "tiny.yaml")],
+        config=[str(TINY)],
         overrides=[
             "distributed.num_processes=2",
             f"distributed.master_port={free_port()}",
@@ -50,7 +47,7 @@ def two_rank_sft(data: Path, *overrides: str) -> PipelineSettings:
         ],
         data=str(data),
         stages=[Stage.PREPARE_DATA, Stage.SFT],
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 

@@ -14,19 +14,15 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.distributed_runs import RankLog, free_port
-from fixtures.tiny_ppo import StageInputs, write_stage_inputs
+from fixtures.distributed_runs import RankLog
+from fixtures.paths import SCRIPTS
+from fixtures.servers import free_port
+from fixtures.tiny_ppo import StageInputs
 
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.launcher import Launch, run_launch
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROLLOUTS = 2
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import typer
+from fixtures.paths import ROOT
+from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from fixtures.servers import S3Server
 from typer.testing import CliRunner, Result
 
@@ -36,8 +38,6 @@ from tasks.dvc_data import (
 
 pytestmark = pytest.mark.slow
 
-PROJECT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
 PIPELINE_FILES = ("dvc.yaml", "overlays.yaml")
 PIPELINE_DIRS = ("rlhf_core", "configs")  # what dvc.yaml's prepare_data stage depends on
 # data/README.md's fresh-clone commands, which the fresh-clone test runs exactly as they are written there.
@@ -48,21 +48,14 @@ SPLIT_SALT = "rlhf-v1"  # params.yaml, data.split_salt
 EVAL_FRACTION = 0.1  # params.yaml, data.eval_fraction
 
 
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=rlhf-tests", "-c", "user.email=rlhf-tests@example.com"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
-
-
 def make_project_repo(root: Path, with_pipeline: bool = False) -> Path:
     """A committed git repository holding the project's DVC setup, params.yaml and the tiny overlay (and, with
     `with_pipeline`, dvc.yaml and the code and configs its prepare_data stage depends on)."""
     root.mkdir()
     git(root, "init", "-q")
-    for name in PROJECT_FILES + (PIPELINE_FILES if with_pipeline else ()):
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, root / name)
+    copy_project_files(root, PROJECT_FILES + (PIPELINE_FILES if with_pipeline else ()))
     for name in PIPELINE_DIRS if with_pipeline else ():
-        shutil.copytree(PROJECT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "project")
     return root
@@ -271,9 +264,7 @@ def test_a_second_add_while_one_is_adding_fails_at_once_and_writes_nothing(
 def test_a_failed_dvc_add_takes_the_copied_file_out_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "not-a-dvc-repo"  # no git, no .dvc: `dvc add` fails
     project.mkdir()
-    for name in ("params.yaml", "configs/tiny.yaml"):
-        (project / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, project / name)
+    copy_project_files(project, ("params.yaml", "configs/tiny.yaml"))
     monkeypatch.chdir(project)
     new = write_pairs(tmp_path / "new.jsonl", [("A brand new question?", "An answer.")])
 
@@ -318,7 +309,7 @@ def run_as_written(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_data_readme_documents_the_fresh_clone_commands() -> None:
-    documented = documented_commands(PROJECT / "data/README.md")
+    documented = documented_commands(ROOT / "data/README.md")
     assert {"rlhf data status", "dvc pull", "dvc status", PULL_RAW_DATA, REPRODUCE_PREPARED_DATA} <= set(documented)
 
 

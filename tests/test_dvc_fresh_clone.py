@@ -12,17 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import ROOT
 
 from tasks.dvc_data import data_version, dvc_add, raw_data_status
 
 pytestmark = pytest.mark.slow  # git and dvc subprocesses
 
-REPO = Path(__file__).resolve().parents[1]
 GIT_IDENTITY = {f"GIT_{role}_{key}": "test" for role in ("AUTHOR", "COMMITTER") for key in ("NAME", "EMAIL")}
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **GIT_IDENTITY, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **GIT_IDENTITY, "PYTHONPATH": str(ROOT)}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -54,8 +55,8 @@ def test_data_status_names_each_state_and_what_to_do_first(project: Path) -> Non
 
 def test_a_fresh_clone_says_what_to_do_first_and_dvc_pull_and_status_exit_0(tmp_path: Path) -> None:
     clone = tmp_path / "clone"
-    assert run(["git", "clone", "-q", str(REPO), str(clone)], tmp_path).returncode == 0
-    status = run([sys.executable, "-c", "from rlhf_cli.main import main; main()", "data", "status"], clone)
+    assert run(["git", "clone", "-q", str(ROOT), str(clone)], tmp_path).returncode == 0
+    status = run([*RLHF_COMMAND, "data", "status"], clone)
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines() == [
         "no raw data yet: this commit has no data/raw.dvc; add a preference file with `rlhf data add FILE` "

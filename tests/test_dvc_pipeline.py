@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -21,12 +20,13 @@ import yaml
 from click import Command
 from dvc.repo import Repo
 from dvc.stage import PipelineStage
+from fixtures.paths import PARAMS, ROOT
+from fixtures.project_repos import copy_project_files, git
 
 from rlhf_cli.data_commands import DEFAULT_RAW_DIR
 from rlhf_cli.main import app
 from tasks.dvc_data import data_version, dvc_add, run_dvc
 
-PROJECT = Path(__file__).resolve().parents[1]
 PIPELINE_FILES = ("dvc.yaml", "overlays.yaml", "params.yaml", ".dvc/config", ".dvc/.gitignore", ".dvcignore",
                   ".gitignore")
 COMMON_OPTIONS = {"--config", "-c", "--set", "-s", "--params", "--out"}
@@ -48,17 +48,6 @@ UPSTREAM = {"prepare_data": set(), "sft": {"prepare_data"}, "train_rm": {"prepar
 TINY_OVERLAY = "overlays.yaml:overlay.config=[configs/tiny.yaml]"
 
 
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=rlhf-tests", "-c", "user.email=rlhf-tests@example.com"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
-
-
-def copy_into(repo: Path, names: tuple[str, ...]) -> None:
-    for name in names:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, repo / name)
-
-
 def cli_options() -> dict[str, set[str]]:
     """Every `rlhf` subcommand and the option names it accepts, from the typer app itself."""
     group = typer.main.get_command(app)
@@ -74,7 +63,7 @@ def loaded_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A git repository holding the project's dvc.yaml and what DVC needs to load it."""
     repo = tmp_path_factory.mktemp("load")
     git(repo, "init", "-q")
-    copy_into(repo, PIPELINE_FILES)
+    copy_project_files(repo, PIPELINE_FILES)
     return repo
 
 
@@ -124,12 +113,12 @@ def test_every_path_dependency_exists_or_is_an_upstream_output(stages: dict[str,
             path = dep.def_path
             upstream = any(out == path or out.startswith(path + "/") for out in produced_upstream)
             pending = path in CONTRACT_PENDING_FILES and STAGE_COMMANDS[name] not in cli_options()
-            assert (PROJECT / path).exists() or upstream or pending, f"{name}: dependency {path} does not exist"
+            assert (ROOT / path).exists() or upstream or pending, f"{name}: dependency {path} does not exist"
 
 
 def module_file(name: str) -> Path | None:
     """The file of module `name` in the project, or None when `name` is not a module of it."""
-    base = PROJECT.joinpath(*name.split("."))
+    base = ROOT.joinpath(*name.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -157,7 +146,7 @@ def imported_rlhf_core_files(module: str) -> set[str]:
             else:
                 continue
             pending.extend(imported for imported in names if imported.split(".")[0] == "rlhf_core")
-    return {path.relative_to(PROJECT).as_posix() for path in files.values()}
+    return {path.relative_to(ROOT).as_posix() for path in files.values()}
 
 
 def test_every_stage_depends_on_all_the_code_its_stage_function_imports(stages: dict[str, PipelineStage]) -> None:
@@ -174,7 +163,7 @@ def test_every_stage_depends_on_all_the_code_its_stage_function_imports(stages: 
 
 
 def test_every_stage_tracks_existing_sections_of_params_yaml(stages: dict[str, PipelineStage]) -> None:
-    params = yaml.safe_load((PROJECT / "params.yaml").read_text())
+    params = yaml.safe_load((PARAMS).read_text())
     for name, stage in stages.items():
         (params_dep,) = [dep for dep in stage.deps if getattr(dep, "params", None) is not None]
         assert params_dep.def_path == "params.yaml"
@@ -226,9 +215,9 @@ def test_dvc_exp_run_applies_the_tiny_overlay_and_params_sections_decide_reruns(
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q")
-    copy_into(repo, PIPELINE_FILES)
-    shutil.copytree(PROJECT / "configs", repo / "configs")
-    shutil.copytree(PROJECT / "rlhf_core", repo / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_project_files(repo, PIPELINE_FILES)
+    shutil.copytree(ROOT / "configs", repo / "configs")
+    shutil.copytree(ROOT / "rlhf_core", repo / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
     write_pairs(repo / "data/raw/pairs.jsonl", 40)
     dvc_add(repo / "data/raw")
     git(repo, "add", "-A")

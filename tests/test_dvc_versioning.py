@@ -10,11 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures.pairs import word_lengths
 
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import split_config
 from rlhf_core.data.records import DropReason, PreferencePair
-from rlhf_core.data.validation import DataValidationError, DropLog, TokenLengths
+from rlhf_core.data.validation import DataValidationError, DropLog
 from rlhf_core.data.versioning import (
     OVERLAP_ROWS_SHOWN,
     NewFileReport,
@@ -27,11 +28,6 @@ from rlhf_core.data.versioning import (
 )
 
 SETTINGS = DataConfig(max_total_tokens=40, max_drop_fraction=0.5, eval_fraction=0.1, split_salt="test-salt")
-
-
-def word_lengths(pair: PreferencePair) -> TokenLengths:
-    prompt = sum(len(message["content"].split()) for message in pair.prompt)
-    return TokenLengths(prompt, prompt + len(pair.chosen.split()), prompt + len(pair.rejected.split()))
 
 
 def reference_is_eval(prompt: str, salt: str = SETTINGS.split_salt, fraction: float = SETTINGS.eval_fraction) -> bool:

@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
@@ -27,8 +29,6 @@ from rlhf_core.reward.training_data import training_data_record, write_training_
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 JUDGE_VARIABLES = ("RLHF_JUDGE_API_KEY", "OPENAI_API_KEY", "RLHF_JUDGE_BASE_URL", "OPENAI_BASE_URL")
 
 
@@ -57,14 +57,14 @@ def hh_row(i: int, topic: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def eval_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Prepared data from two source files (two categories), two tiny LMs and a tiny reward model."""
     root = tmp_path_factory.mktemp("eval-inputs")
     raw = root / "raw"
     raw.mkdir()
     (raw / "harmless-base.jsonl").write_text("".join(hh_row(i, "safety") + "\n" for i in range(30)))
     (raw / "helpful-base.jsonl").write_text("".join(hh_row(i, "gardening") + "\n" for i in range(30, 60)))
-    config = load_config(ROOT / "params.yaml", overlays=[TINY], overrides=["data.eval_fraction=0.3"])
+    config = load_config(PARAMS, overlays=[TINY], overrides=["data.eval_fraction=0.3"])
     run_prepare_data(config, root / "data", source=str(raw))
     tokenizer = load_tiny_model()[1]
     for name, seed in (("ppo", 0), ("sft", 1)):
@@ -76,11 +76,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in ("data", "ppo", "sft", "reward")}
 
 
-def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inputs, tmp_path: Path) -> None:
+def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval_inputs, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     status, stdout, stderr = rlhf(
-        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "rm",
-        "--rm-dir", str(inputs["reward"]), "--data-dir", str(inputs["data"]), "-c", str(TINY),
+        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--judge", "rm",
+        "--rm-dir", str(eval_inputs["reward"]), "--data-dir", str(eval_inputs["data"]), "-c", str(TINY),
         "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6", "--out", str(out),
     )
     assert status == 0, stderr
@@ -128,8 +128,8 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
     # A second judge that calls every pair a tie, compared with the first on the same (seeded) pairs.
     second = tmp_path / "eval-all-ties"
     status, stdout, stderr = rlhf(
-        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"]),
-        "--rm-independent", "--agree-with", str(out / "verdicts.jsonl"), "--data-dir", str(inputs["data"]),
+        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"]),
+        "--rm-independent", "--agree-with", str(out / "verdicts.jsonl"), "--data-dir", str(eval_inputs["data"]),
         "-c", str(TINY), "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6",
         "-s", "evaluation.tie_margin=1e9", "--out", str(second),
     )
@@ -144,14 +144,14 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, inpu
 
 
 @pytest.mark.slow
-def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(inputs, tmp_path: Path) -> None:
+def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(eval_inputs, tmp_path: Path) -> None:
     """A fresh `rlhf eval` (as a user runs it) loads its models: transformers' "Loading weights" bars and the
     libraries' warnings stay out of the redirected stderr (issue 31)."""
     stderr_file = tmp_path / "stderr.txt"
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "eval"]
-    command += ["--params", str(ROOT / "params.yaml")]
-    command += ["--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"])]
-    command += ["--data-dir", str(inputs["data"]), "-c", str(TINY), "-s", "evaluation.max_prompts=4"]
+    command = [*RLHF_COMMAND, "eval"]
+    command += ["--params", str(PARAMS)]
+    command += ["--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"])]
+    command += ["--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "-s", "evaluation.max_prompts=4"]
     command += ["-s", "evaluation.generation.max_new_tokens=4", "--out", str(tmp_path / "eval")]
     env = without_quiet_switches(dict(os.environ))
     with stderr_file.open("w") as stderr:
@@ -166,14 +166,14 @@ def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(inputs, tmp
 
 
 def test_llm_judge_without_an_endpoint_fails_naming_the_variables(
-    rlhf, inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rlhf, eval_inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in JUDGE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "eval"
     status, _, stderr = rlhf(
-        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "llm",
-        "--data-dir", str(inputs["data"]), "-c", str(TINY), "--out", str(out),
+        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--judge", "llm",
+        "--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "--out", str(out),
     )
     assert status == 1
     message = stderr.strip()
@@ -182,39 +182,40 @@ def test_llm_judge_without_an_endpoint_fails_naming_the_variables(
     assert not out.exists()  # checked before any work
 
 
-def test_human_judge_points_to_the_flow(rlhf, inputs) -> None:
-    status, _, stderr = rlhf("eval", "--a", str(inputs["ppo"]), "--b", str(inputs["sft"]), "--judge", "human")
+def test_human_judge_points_to_the_flow(rlhf, eval_inputs) -> None:
+    status, _, stderr = rlhf("eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--judge", "human")
     assert status == 2
     assert "rlhf-human-eval" in stderr and "Prefect UI" in stderr
 
 
-def test_an_unfinished_model_is_refused(rlhf, inputs, tmp_path: Path) -> None:
+def test_an_unfinished_model_is_refused(rlhf, eval_inputs, tmp_path: Path) -> None:
     unfinished = tmp_path / "ppo"
     (unfinished / "model").mkdir(parents=True)
     (unfinished / "model" / "config.json").write_text("{}")
     status, _, stderr = rlhf(
-        "eval", "--a", str(unfinished), "--b", str(inputs["sft"]), "--rm-dir", str(inputs["reward"]),
-        "--data-dir", str(inputs["data"]), "-c", str(TINY), "--out", str(tmp_path / "eval"),
+        "eval", "--a", str(unfinished), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"]),
+        "--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "--out", str(tmp_path / "eval"),
     )
     assert status == 1
     assert "unfinished stage output" in stderr
 
 
-def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, inputs, tmp_path: Path) -> None:
+def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, eval_inputs, tmp_path: Path) -> None:
     """The stage output and its model directory are one model: refused (every pair would tie), before any work;
     `--allow-same` evaluates them anyway, with a warning, and every pair is a tie."""
-    common = ("--rm-dir", str(inputs["reward"]), "--data-dir", str(inputs["data"]), "-c", str(TINY),
+    common = ("--rm-dir", str(eval_inputs["reward"]), "--data-dir", str(eval_inputs["data"]), "-c", str(TINY),
               "-s", "evaluation.max_prompts=4", "-s", "evaluation.generation.max_new_tokens=4")
     out = tmp_path / "eval"
     status, _, stderr = rlhf(
-        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"] / "model"), *common, "--out", str(out)
+        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["ppo"] / "model"), *common, "--out", str(out)
     )
     assert status == REFUSED_EXIT_CODE
     assert "model A and model B are the same model" in stderr and "--allow-same" in stderr
     assert not out.exists()
 
     status, stdout, stderr = rlhf(
-        "eval", "--a", str(inputs["ppo"]), "--b", str(inputs["ppo"]), "--allow-same", *common, "--out", str(out)
+        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["ppo"]), "--allow-same", *common,
+        "--out", str(out),
     )
     assert status == 0, stderr
     (warning,) = [line for line in stderr.splitlines() if line.startswith("warning:")]
@@ -223,7 +224,7 @@ def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, input
 
 
 @pytest.fixture(scope="module")
-def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """An embedded MLflow registry as `rlhf run` leaves it: reward model, independent judge, and two policy
     versions (`champion`, then `challenger`) whose tags name the prepared data, their reward model and the judge.
 
@@ -231,7 +232,7 @@ def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pat
     """
     from mlflow import MlflowClient
 
-    from tasks.outputs import StageOutput, output_sha256
+    from fixtures.stage_outputs import stage_output
     from tasks.registry import (
         CHALLENGER_ALIAS,
         REWARD_VERSION_TAG,
@@ -241,10 +242,6 @@ def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pat
         training_data_tags,
     )
     from tasks.tracking import get_or_create_experiment, local_artifact_location
-
-    def output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-        model_dir = out_dir / "model" if with_model else None
-        return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
 
     root = tmp_path_factory.mktemp("eval-registry")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -256,24 +253,24 @@ def registry(inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pat
         judge_dir / "model", tokenizer
     )
     write_metrics(judge_dir, {"steps": 0.0})
-    write_training_data(judge_dir, training_data_record(inputs["data"], "ppo_pairs", "base"))
-    reward = register(client, uri, run_id, "eval-reward", output("reward", inputs["reward"]), {}, None)
-    judge_output = output("judge-reward", judge_dir)
+    write_training_data(judge_dir, training_data_record(eval_inputs["data"], "ppo_pairs", "base"))
+    reward = register(client, uri, run_id, "eval-reward", stage_output("reward", eval_inputs["reward"]), {}, None)
+    judge_output = stage_output("judge-reward", judge_dir)
     judge = register(client, uri, run_id, "eval-reward-judge", judge_output, training_data_tags(judge_output), None)
     tags = {
-        **lineage_output_tags({"prepare-data": output("prepare-data", inputs["data"], with_model=False)}),
+        **lineage_output_tags({"prepare-data": stage_output("prepare-data", eval_inputs["data"], with_model=False)}),
         REWARD_VERSION_TAG: reward.version,
         **judge_version_tags(judge),
     }
-    register(client, uri, run_id, "eval-policy", output("ppo", inputs["sft"]), tags, "champion")
-    register(client, uri, run_id, "eval-policy", output("ppo", inputs["ppo"]), tags, CHALLENGER_ALIAS)
-    register(client, uri, run_id, "eval-policy-unjudged", output("ppo", inputs["ppo"]), {}, CHALLENGER_ALIAS)
+    register(client, uri, run_id, "eval-policy", stage_output("ppo", eval_inputs["sft"]), tags, "champion")
+    register(client, uri, run_id, "eval-policy", stage_output("ppo", eval_inputs["ppo"]), tags, CHALLENGER_ALIAS)
+    register(client, uri, run_id, "eval-policy-unjudged", stage_output("ppo", eval_inputs["ppo"]), {}, CHALLENGER_ALIAS)
     return uri, judge_dir
 
 
 @pytest.mark.slow
 def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_says_so(
-    rlhf, inputs, registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rlhf, eval_inputs, registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After `rlhf run` there is no artifacts/: the README's `rlhf eval --a models:/...@challenger --b
     models:/...@champion` finds the eval data and the judge in the challenger's tags."""
@@ -281,7 +278,7 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # nothing under artifacts/ here
-    common = ("--params", str(ROOT / "params.yaml"), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
+    common = ("--params", str(PARAMS), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
               "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4")
 
     status, stdout, stderr = rlhf(
@@ -291,7 +288,8 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
 
     assert status == 0, stderr
     assert (
-        f"eval data: {inputs['data']} (the prepared data of eval-policy version 2, from models:/eval-policy@challenger)"
+        f"eval data: {eval_inputs['data']} (the prepared data of eval-policy version 2, "
+        "from models:/eval-policy@challenger)"
         in stdout.splitlines()
     )
     assert (
@@ -308,23 +306,23 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
 
     # Given paths win over the lineage, and nothing is printed about it.
     status, stdout, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy@challenger", "--b", str(inputs["sft"]), "--rm-dir", str(judge_dir),
-        "--data-dir", str(inputs["data"]), *common, "--out", str(tmp_path / "given"),
+        "eval", "--a", "models:/eval-policy@challenger", "--b", str(eval_inputs["sft"]), "--rm-dir", str(judge_dir),
+        "--data-dir", str(eval_inputs["data"]), *common, "--out", str(tmp_path / "given"),
     )
     assert status == 0, stderr
     assert "eval data:" not in stdout and "judge:" not in stdout.replace("**Judge:**", "")
 
     # The registry copy of a stage output is that model, by content: refused as the same model.
     status, _, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy@challenger", "--b", str(inputs["ppo"]), "--rm-dir", str(judge_dir),
-        "--data-dir", str(inputs["data"]), *common, "--out", str(tmp_path / "same"),
+        "eval", "--a", "models:/eval-policy@challenger", "--b", str(eval_inputs["ppo"]), "--rm-dir", str(judge_dir),
+        "--data-dir", str(eval_inputs["data"]), *common, "--out", str(tmp_path / "same"),
     )
     assert status == REFUSED_EXIT_CODE and "model A and model B are the same model" in stderr
 
     # A version without a registered judge: one line naming the ways to give one, before any work.
     status, _, stderr = rlhf(
         "eval", "--a", "models:/eval-policy-unjudged@challenger", "--b", "models:/eval-policy@champion", *common,
-        "--data-dir", str(inputs["data"]), "--out", str(tmp_path / "unjudged"),
+        "--data-dir", str(eval_inputs["data"]), "--out", str(tmp_path / "unjudged"),
     )
     assert status == 1 and len(stderr.strip().splitlines()) == 1
     assert "names no independent judge reward model" in stderr and "--rm-dir" in stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY
 from fixtures.tiny_ppo import tiny_config, write_stage_inputs
 from mlflow import MlflowClient
 
@@ -48,7 +49,6 @@ from tasks.stage_runs import STAGE_SECTIONS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT = (
     "independent reward model (trained on the PPO-prompt split, validated on rm_val, initialised from the base model)"
 )
@@ -96,7 +96,7 @@ def test_the_judge_trains_on_pairs_disjoint_from_the_policy_reward_model(tmp_pat
 
 
 def test_judge_rm_defaults_to_independent_and_accepts_only_in_sample_or_independent() -> None:
-    defaults = load_config(REPO / "params.yaml").evaluation
+    defaults = load_config(PARAMS).evaluation
     assert (defaults.judge, defaults.judge_rm, defaults.max_prompts) == ("rm", "independent", None)
     assert defaults.trains_judge_rm and tiny_config().evaluation.judge_rm == "independent"
     assert tiny_config("evaluation.judge_rm=independent").evaluation.trains_judge_rm
@@ -142,7 +142,7 @@ def test_the_judge_base_model_makes_the_judge_reward_cache_key() -> None:
 
 
 def test_judge_base_model_is_validated_with_the_key_named() -> None:
-    assert load_config(REPO / "params.yaml").evaluation.judge_base_model is None
+    assert load_config(PARAMS).evaluation.judge_base_model is None
     gemma = tiny_config("evaluation.judge_base_model.kind=gemma3").evaluation.judge_base_model
     assert gemma == ModelConfig(kind="gemma3")
     with pytest.raises(ConfigError) as error:
@@ -170,22 +170,13 @@ def test_the_judge_refuses_a_multi_process_configuration(tmp_path: Path) -> None
         run_judge_rm(tiny_config("distributed.num_processes=2"), tmp_path / "data", tmp_path / "judge")
 
 
-@pytest.fixture
-def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
-    """A fresh working directory with an embedded SQLite MLflow store; its client."""
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return MlflowClient(uri)
-
-
 def pipeline_settings(data: Path, judge_rm: str, stages: list[Stage]) -> PipelineSettings:
     return PipelineSettings(
-        config=[str(REPO / "configs" / "tiny.yaml")],
+        config=[str(TINY)],
         overrides=[*PIPELINE_OVERRIDES, f"evaluation.judge_rm={judge_rm}"],
         data=str(data),
         stages=stages,
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 

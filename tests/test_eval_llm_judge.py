@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fixtures.paths import PARAMS, TINY
 
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.judges.llm import LlmJudge, LlmJudgeError, backoff_delay
@@ -28,7 +29,6 @@ from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint, LlmEndpointErr
 from rlhf_core.evaluation.judges.llm_prompt import SlotVerdict, parse_verdict
 from rlhf_core.evaluation.judges.verdicts import EvalPair, Verdict
 
-ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sk-test-SECRET-0123456789abcdef"
 PROMPT_TOKENS, COMPLETION_TOKENS = 100, 10
 SIMULTANEOUS_LIMIT = 3
@@ -289,7 +289,7 @@ def write_tiny_inputs(root: Path) -> tuple[Path, Path, Path]:
         for i in range(60)
     ]
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = load_config(ROOT / "params.yaml", overlays=[ROOT / "configs" / "tiny.yaml"])
+    config = load_config(PARAMS, overlays=[TINY])
     run_prepare_data(config, root / "data", source=str(source))
     tokenizer = load_tiny_model()[1]
     for name, seed in (("a", 0), ("b", 1)):
@@ -306,8 +306,8 @@ def test_stage_with_llm_judge_never_writes_or_logs_the_key(
     base_url, state = judge_server
     data_dir, model_a, model_b = write_tiny_inputs(tmp_path)
     config = load_config(
-        ROOT / "params.yaml",
-        overlays=[ROOT / "configs" / "tiny.yaml"],
+        PARAMS,
+        overlays=[TINY],
         overrides=["evaluation.max_prompts=3", "evaluation.generation.max_new_tokens=6"],
     )
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, TINY
+from fixtures.stage_outputs import stage_output
 from fixtures.tiny_ppo import (
     StageInputs,
     save_rm_output,
@@ -40,16 +42,10 @@ from tasks.stage_runs import StageContext
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = "eval-pipeline-tests"
 POLICY_NAME = "evalpipe-policy"
 REWARD_NAME = "evalpipe-reward"
 SETTINGS = (f"tracking.experiment={EXPERIMENT}", "ppo.steps=1", "evaluation.max_prompts=6")
-
-
-def stage_output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-    model_dir = out_dir / "model" if with_model else None
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +192,7 @@ def test_rlhf_eval_takes_registered_models_by_uri(
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))  # downloads go to the model cache
 
     def rlhf_eval(*args: str) -> tuple[int, str, str]:
-        common = ["-c", str(ROOT / "configs" / "tiny.yaml"), "--params", str(ROOT / "params.yaml")]
+        common = ["-c", str(TINY), "--params", str(PARAMS)]
         common += ["-s", f"tracking.reward_model_name={REWARD_NAME}", "-s", "evaluation.max_prompts=6"]
         common += ["--data-dir", str(outputs["data"].out_dir)]
         monkeypatch.setattr(sys, "argv", ["rlhf", "eval", *args, *common])

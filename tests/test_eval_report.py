@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures.statistics_by_loop import bootstrap_by_loop
 from torch.nn import functional as F
 
 from rlhf_core.config import DataConfig, GenerationConfig
@@ -124,19 +125,8 @@ def test_agreement_with_other_judges() -> None:
 
 
 def reference_mean_interval(values: list[float], seed: int, resamples: int) -> tuple[float, float, float]:
-    """The mean and 95% percentile bootstrap interval by hand: resample pairs with numpy's seeded generator,
-    sort the resampled means, interpolate the 2.5% and 97.5% quantiles linearly."""
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(values), size=(resamples, len(values)))
-    means = sorted(sum(values[i] for i in row) / len(values) for row in draws)
-
-    def quantile(q: float) -> float:
-        position = q * (len(means) - 1)
-        below = math.floor(position)
-        above = min(below + 1, len(means) - 1)
-        return means[below] + (means[above] - means[below]) * (position - below)
-
-    return sum(values) / len(values), quantile(0.025), quantile(0.975)
+    """The mean and its 95% percentile bootstrap interval by hand (resampled pairs, sorted means)."""
+    return sum(values) / len(values), *bootstrap_by_loop(values, 0.95, resamples, seed)
 
 
 def test_the_paired_mean_score_difference_and_its_interval() -> None:

@@ -15,10 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fixtures.paths import ROOT, SHARED_PAIRS
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
-SHARED_PAIRS = REPO.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs-1800.jsonl.gz"
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 PEAK_TFLOPS = 0.5  # a made-up CPU "peak", so that the dry run computes and prints MFU too
 DRY_RUN_TIMEOUT_S = 1500
 

@@ -29,6 +29,7 @@ from uuid import UUID
 import pytest
 from botocore.client import BaseClient
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY, TINY_GRID
 from fixtures.servers import S3Server, _Server, log_tail, start_server, stop_server
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -66,13 +67,11 @@ from tasks.transfer import (
     upload_output,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 TRANSFER_BUCKET = "rlhf-transfer-test"
 HANDOVER_BUCKET = "rlhf-handover"
 PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
 ABLATION_DEPLOYMENT_NAME = "gpu-pool-test"
 ABLATION_STORE = f"s3://{HANDOVER_BUCKET}/ablation-store"
-TINY_GRID = REPO / "configs" / "ablations" / "tiny.yaml"
 VARIANTS = ("vanilla", "ppo_max")  # TINY_GRID's
 WORKER_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
@@ -293,9 +292,9 @@ def scenario(
             wait_for_workers(dict(zip((CPU_POOL, GPU_POOL), workers)), WORKER_START_TIMEOUT_S)
 
             settings = {
-                "config": [str(REPO / "configs" / "tiny.yaml")],
+                "config": [str(TINY)],
                 "data": str(data),
-                "params_file": str(REPO / "params.yaml"),
+                "params_file": str(PARAMS),
                 "stages": ["reward"],  # with prepare-data and SFT before it
                 "remote": {"stages": ["sft"], "store": f"s3://{HANDOVER_BUCKET}/runs"},
             }
@@ -430,7 +429,7 @@ def test_failed_remote_stage_fails_the_task_with_its_error(
         cache_dir=tmp_path / ".cache",
         tracking=TrackingTarget(tracking_uri=scenario.tracking_uri, experiment_id="0", parent_run_id="unused"),
     )
-    config = load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+    config = load_config(PARAMS, [TINY])
 
     with pytest.raises(RemoteStageError, match=r"ended Failed: .*CorruptOutputError"):
         remote_stage_task("sft", config, context, remote, data=data)  # a task run outside any flow
@@ -492,8 +491,8 @@ def ablation(scenario: Scenario) -> AblationScenario:
     base = Path(parent_run(scenario).data.tags["stage.sft.out_dir"]).parent  # the pipeline's run directory
     settings = {
         "grid": str(TINY_GRID),
-        "config": [str(REPO / "configs" / "tiny.yaml")],
-        "params_file": str(REPO / "params.yaml"),
+        "config": [str(TINY)],
+        "params_file": str(PARAMS),
         "base": str(base),
         "remote": {"stages": ["ppo"], "store": ABLATION_STORE},
     }

@@ -9,9 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from fixtures.paths import ROOT
 
 from rlhf_core.training.host_allocator import GLIBC_SETTINGS, keep_freed_memory, user_chose_allocator
 
@@ -49,7 +49,7 @@ def page_faults_per_step(mode: str) -> tuple[bool, list[int]]:
     environment["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
         [sys.executable, "-c", TRAINING_STEPS, mode], capture_output=True, text=True, env=environment, check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
     )  # fmt: skip
     record = json.loads(result.stdout.strip().splitlines()[-1])
     return record["tuned"], record["faults"][-MEASURED:]

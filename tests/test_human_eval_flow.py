@@ -24,6 +24,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
+from fixtures.paths import PARAMS, ROOT
 from mlflow import MlflowClient
 from prefect import tags
 from prefect.client.orchestration import get_client
@@ -45,7 +46,6 @@ from tasks.human_eval import REPORT_ARTIFACT_KEY, choice_field, comment_field
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 SWAPPED = [True, False, True, False]  # the order the seed is chosen for
 FORM_TIMEOUT_S = 240.0  # the first form waits for a fresh interpreter to import torch, Prefect and MLflow
 POLL_S = 0.25
@@ -94,7 +94,7 @@ def settings(out_dir: Path, generations: Path, seed: int, batch_size: int) -> Hu
         batch_size=batch_size,
         poll_interval_s=1,
         pause_timeout_s=600,
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 
@@ -161,7 +161,7 @@ def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tra
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-c", DRIVER, settings(out_dir, generations, seed, 1).model_dump_json(), tag_1],
-            cwd=REPO,
+            cwd=ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=log,
             stderr=subprocess.STDOUT,

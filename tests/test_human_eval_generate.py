@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, TINY
 
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.generation import generate_replies
@@ -23,8 +24,6 @@ from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
 from tasks.human_eval import generate_pairs_task
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def hh_row(index: int) -> str:
     prompt = f"\n\nHuman: Tell me about gardening number {index}."
@@ -37,8 +36,8 @@ def test_generated_pairs_match_rlhf_eval_sampling_and_are_kept_on_resume(tmp_pat
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(hh_row(index) + "\n" for index in range(40)))
     config = load_config(
-        ROOT / "params.yaml",
-        overlays=[ROOT / "configs" / "tiny.yaml"],
+        PARAMS,
+        overlays=[TINY],
         overrides=["data.eval_fraction=0.3", "evaluation.max_prompts=4", "evaluation.generation.max_new_tokens=5"],
     )
     run_prepare_data(config, tmp_path / "data", source=str(raw))
@@ -82,7 +81,7 @@ def test_generated_pairs_match_rlhf_eval_sampling_and_are_kept_on_resume(tmp_pat
 
 
 def test_missing_models_fail_before_any_work(tmp_path: Path) -> None:
-    config = load_config(ROOT / "params.yaml", overlays=[ROOT / "configs" / "tiny.yaml"])
+    config = load_config(PARAMS, overlays=[TINY])
     with pytest.raises(FileNotFoundError, match="neither a stage output directory"):
         generate_pairs_task.fn(
             config, tmp_path / "data", str(tmp_path / "nope"), str(tmp_path / "sft"), tmp_path / "out"

@@ -14,8 +14,8 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("rlhf_core", "tasks", "flows", "rlhf_cli")  # each may import only those before it
 ORCHESTRATION = ("prefect", "mlflow", "dvc")  # never imported by the ML library
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

@@ -27,6 +27,7 @@ import jsonschema
 import pytest
 import typer.main
 import yaml
+from fixtures.paths import ROOT
 from prefect.client.schemas.actions import WorkPoolCreate as ClientWorkPoolCreate
 from prefect.server.schemas.actions import WorkPoolCreate
 from prefect.utilities.templating import apply_values
@@ -34,8 +35,7 @@ from prefect.workers.base import BaseJobConfiguration
 
 from rlhf_cli.main import app as rlhf_app
 
-REPO = Path(__file__).resolve().parents[1]
-INFRA = REPO / "infra"
+INFRA = ROOT / "infra"
 COMPOSE_FILE = INFRA / "compose.yaml"
 ENV_EXAMPLE = INFRA / ".env.example"
 WORKER_DOCKERFILE = INFRA / "Dockerfile"
@@ -282,7 +282,7 @@ def service_host(url: str) -> str:
 @pytest.mark.slow
 def test_env_file_is_git_ignored_and_the_example_is_not() -> None:
     def ignored(path: str) -> bool:
-        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False).returncode == 0
 
     assert ignored("infra/.env")
     assert not ignored("infra/.env.example")
@@ -291,7 +291,7 @@ def test_env_file_is_git_ignored_and_the_example_is_not() -> None:
 @pytest.mark.slow
 def test_env_files_are_git_ignored_wherever_they_are_and_examples_are_not() -> None:
     def ignored(path: str) -> bool:
-        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False).returncode == 0
 
     assert all(ignored(path) for path in (".env", "infra/.env", "infra/.env.local", "deploy/prod.env"))
     assert not any(ignored(path) for path in ("infra/.env.example", ".env.example", "deploy/prod.env.example"))
@@ -361,7 +361,7 @@ def test_worker_image_copies_only_existing_files_and_keeps_the_project_in_its_co
 ) -> None:
     for arguments in instruction_arguments(worker_dockerfile, "COPY"):
         for source in copy_sources(arguments) or []:
-            assert (REPO / source).exists(), f"infra/Dockerfile copies {source}, which does not exist"
+            assert (ROOT / source).exists(), f"infra/Dockerfile copies {source}, which does not exist"
     ignored = [line for line in WORKER_DOCKERIGNORE.read_text().splitlines() if line and not line.startswith("#")]
     assert "infra/.env" in ignored
     needed = [
@@ -378,7 +378,7 @@ def test_worker_image_copies_only_existing_files_and_keeps_the_project_in_its_co
         "dvc.yaml",
     ]
     for path in needed:
-        assert (REPO / path).exists(), path
+        assert (ROOT / path).exists(), path
         assert not any(Path(path).match(pattern.strip("/")) or path.startswith(pattern + "/") for pattern in ignored), (
             f"infra/Dockerfile.dockerignore leaves {path} out of the image"
         )
@@ -393,7 +393,7 @@ def test_worker_image_sets_the_project_dir_the_deployments_pull_step_uses(
     assert any(
         arguments.endswith(f" . {project_dir}") for arguments in instruction_arguments(worker_dockerfile, "COPY")
     )
-    pull = yaml.safe_load((REPO / "prefect.yaml").read_text())["pull"]
+    pull = yaml.safe_load((ROOT / "prefect.yaml").read_text())["pull"]
     assert {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RLHF_PROJECT_DIR }}"}} in pull
 
 
@@ -480,7 +480,7 @@ def test_workers_serve_every_pool_the_deployments_use(services: dict[str, Any]) 
         assert command[:3] == ["prefect", "worker", "start"]
         assert command[command.index("--pool") + 1] == pool and command[command.index("--type") + 1] == "process"
         served[pool] = name
-    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
     for deployment in deployments:
         assert deployment["work_pool"]["name"] in served, deployment["name"]
 
@@ -726,10 +726,10 @@ def test_readme_paths_and_links_exist() -> None:
     for words in readme_shell_commands():
         for word in words:
             if re.match(r"^(infra|configs|flows|scripts|data)/[\w./-]+$", word) and word not in CREATED_BY_THE_READER:
-                assert (REPO / word).exists(), f"infra/README.md names {word}, which does not exist"
+                assert (ROOT / word).exists(), f"infra/README.md names {word}, which does not exist"
             entrypoint = re.fullmatch(r"(flows/\w+)\.py:(\w+)", word)
             if entrypoint:
                 module, flow = entrypoint[1].replace("/", "."), entrypoint[2]
                 assert flow in defined_names(module), f"infra/README.md deploys {word}: no such flow"
     for path in re.findall(QUOTED_PATH, text):
-        assert (INFRA / path).exists() or (REPO / path).exists(), f"infra/README.md names {path}, which does not exist"
+        assert (INFRA / path).exists() or (ROOT / path).exists(), f"infra/README.md names {path}, which does not exist"

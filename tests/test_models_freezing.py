@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from fixtures.parameters import trainable_names
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
@@ -18,10 +19,6 @@ def tiny_config(**overrides: object) -> LlamaConfig:
         "num_attention_heads": 4, "num_key_value_heads": 2, **overrides,
     }
     return LlamaConfig(**settings)
-
-
-def trainable_names(model: nn.Module) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def expected_trainable(model: nn.Module, prefixes: tuple[str, ...]) -> set[str]:

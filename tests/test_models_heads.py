@@ -82,6 +82,30 @@ def test_reward_scores_match_unpadded_reference(tokenizer, sequences, side: str)
     torch.testing.assert_close(output.scores, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_length_slope_takes_its_share_of_log_reply_length_and_round_trips(
+    tokenizer, sequences, tmp_path: Path, side: str
+) -> None:
+    reward_model = RewardModel.from_causal_lm(make_lm(tokenizer), end_of_turn_id(tokenizer), seed=1)
+    ids, mask, starts = pad_batch(sequences, tokenizer.pad_token_id, side)
+    with torch.no_grad():
+        head = reward_model(ids, mask, starts).scores
+        reward_model.length_slope = -0.4
+        debiased = reward_model(ids, mask, starts).scores
+    eot = end_of_turn_id(tokenizer)
+    ends = [next((t for t in range(start, len(row)) if row[t] == eot), len(row) - 1) for row, start in sequences]
+    reply_tokens = [end - start for end, (_, start) in zip(ends, sequences)]
+    expected = head + 0.4 * torch.log1p(torch.tensor(reply_tokens, dtype=head.dtype))
+    torch.testing.assert_close(debiased, expected, rtol=1e-5, atol=1e-6)
+
+    reward_model.save_pretrained(tmp_path / "rm", tokenizer)
+    assert RewardModel.from_pretrained(tmp_path / "rm").length_slope == -0.4
+    config = json.loads((tmp_path / "rm" / HEAD_CONFIG_FILE).read_text())
+    del config["length_slope"]  # as written before the setting existed
+    (tmp_path / "rm" / HEAD_CONFIG_FILE).write_text(json.dumps(config))
+    assert RewardModel.from_pretrained(tmp_path / "rm").length_slope == 0.0
+
+
 def test_reward_model_lm_logits_are_the_base_models(tokenizer, sequences) -> None:
     lm = make_lm(tokenizer)
     reward_model = RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), keep_lm_head=True)

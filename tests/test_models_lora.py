@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.parameters import trainable_names
 from fixtures.tiny_ppo import (  # noqa: F401
     StageInputs,
     tiny_config,
@@ -78,10 +79,6 @@ def train_a_few_steps(model: nn.Module, loss_of: Callable[[nn.Module], Tensor], 
         loss_of(model).backward()
         optimizer.step()
     model.eval()
-
-
-def trainable_names(model: nn.Module) -> set[str]:
-    return {name for name, parameter in model.named_parameters() if parameter.requires_grad}
 
 
 def adapter_names(model: nn.Module) -> set[str]:

@@ -11,13 +11,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import typer
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
@@ -25,7 +26,6 @@ from rlhf_cli import run_commands
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 FRESH_RUN_TIMEOUT_S = 900  # a guard for a hung run, not a measurement
 SHORTER = ["-s", "sft.max_steps=2", "-s", "reward.max_steps=2", "-s", "ppo.steps=1", "-s", "evaluation.max_prompts=4"]
 
@@ -51,8 +51,8 @@ def test_run_prints_run_directory_data_version_and_mlflow_run(
         cli(),
         [
             "run",
-            "--params", str(REPO / "params.yaml"),
-            "--config", str(REPO / "configs" / "tiny.yaml"),
+            "--params", str(PARAMS),
+            "--config", str(TINY),
             "-s", "data.split_salt=cli-test",
             "--data", str(data),
             "--stage", "prepare-data",
@@ -79,7 +79,7 @@ def test_run_prints_run_directory_data_version_and_mlflow_run(
 
 def test_run_rejects_an_unknown_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli(), ["run", "--params", str(REPO / "params.yaml"), "--stage", "deploy"])
+    result = CliRunner().invoke(cli(), ["run", "--params", str(PARAMS), "--stage", "deploy"])
     assert result.exit_code != 0
     assert "'deploy' is not a valid Stage" in str(result.exception)
 
@@ -90,9 +90,9 @@ def test_a_successful_first_run_prints_no_traceback_no_error_and_one_summary(tmp
     data = write_topic_pairs(project / "pairs.jsonl", 160)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     env = without_quiet_switches(env)
-    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", "run", "--data", str(data)]
-    command += ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml"), *SHORTER]
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
+    command = [*RLHF_COMMAND, "run", "--data", str(data)]
+    command += ["--params", str(PARAMS), "--config", str(TINY), *SHORTER]
 
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("w") as stderr:

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.paths import ROOT
 from prefect.events import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 
 from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def declared() -> dict[str, dict]:
-    document = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    document = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     return {deployment["name"]: deployment for deployment in document["deployments"]}
 
 
@@ -53,7 +52,7 @@ def test_declared_deployment_matches_the_code(spec: DeploymentSpec, declared: di
 
 @pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)
 def test_entrypoint_loads_the_served_flow(spec: DeploymentSpec, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # prefect deploy resolves entrypoints against the project directory
+    monkeypatch.chdir(ROOT)  # prefect deploy resolves entrypoints against the project directory
     loaded = load_flow_from_entrypoint(spec.entrypoint)
     assert loaded.name == spec.flow.name
     assert loaded.fn.__name__ == spec.flow.fn.__name__

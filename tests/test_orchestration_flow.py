@@ -17,6 +17,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.logging.handlers import APILogWorker
 
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.stages import sft as sft_stage
 from rlhf_core.config import load_config
@@ -29,24 +30,13 @@ from tasks.outputs import file_sha256
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> MlflowClient:
-    """A fresh working directory and embedded MLflow store; returns that store's client."""
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return MlflowClient(uri)
-
 
 def settings(data: Path, stages_wanted: list[Stage]) -> PipelineSettings:
     return PipelineSettings(
-        config=[str(REPO / "configs" / "tiny.yaml")],
+        config=[str(TINY)],
         data=str(data),
         stages=stages_wanted,
-        params_file=str(REPO / "params.yaml"),
+        params_file=str(PARAMS),
     )
 
 
@@ -77,7 +67,7 @@ def stage_runs(client: MlflowClient, stage: str) -> list:
 
 
 def test_invalid_data_fails_the_flow_and_its_mlflow_runs_without_retrying(
-    project: MlflowClient, tmp_path: Path
+    mlflow_store: MlflowClient, tmp_path: Path
 ) -> None:
     data = write_topic_pairs(tmp_path / "identical.jsonl", 40, identical=True)
     state = rlhf_pipeline(settings(data, list(Stage)), return_state=True)
@@ -89,12 +79,12 @@ def test_invalid_data_fails_the_flow_and_its_mlflow_runs_without_retrying(
     (prepare,) = runs["prepare-data"]
     assert prepare.state.is_failed() and prepare.run_count == 1  # a data error is not retried
 
-    (stage_run,) = stage_runs(project, "prepare-data")
+    (stage_run,) = stage_runs(mlflow_store, "prepare-data")
     assert stage_run.info.status == "FAILED"
     assert stage_run.data.tags[ERROR_TAG].startswith("DataValidationError:")
-    parent = project.get_run(stage_run.data.tags[PARENT_RUN_TAG])
+    parent = mlflow_store.get_run(stage_run.data.tags[PARENT_RUN_TAG])
     assert parent.info.status == "FAILED" and parent.data.tags[ERROR_TAG].startswith("DataValidationError:")
-    assert project.search_registered_models() == []
+    assert mlflow_store.search_registered_models() == []
 
 
 class CrashAtStep:
@@ -116,7 +106,7 @@ class CrashAtStep:
 
 
 def test_crashed_training_stage_is_retried_and_resumes_from_its_checkpoint(
-    project: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mlflow_store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_run_sft = sft_stage.run_sft
     attempts: list[int] = []
@@ -136,16 +126,18 @@ def test_crashed_training_stage_is_retried_and_resumes_from_its_checkpoint(
     assert sft_output.metrics["resumed_from"] == 2.0 and sft_output.metrics["steps"] == 4.0
     assert sft_output.out_dir.parent == result.run_dir  # the retry wrote where the crashed attempt did
 
-    failed, finished = stage_runs(project, "sft")
+    failed, finished = stage_runs(mlflow_store, "sft")
     assert (failed.info.status, failed.data.tags["prefect.attempt"]) == ("FAILED", "1")
     assert failed.data.tags[ERROR_TAG] == "RuntimeError: simulated crash at step 3"
     assert (finished.info.status, finished.data.tags["prefect.attempt"]) == ("FINISHED", "2")
     assert finished.info.run_id == sft_output.mlflow_run_id
-    progress = project.get_metric_history(finished.info.run_id, "progress")
+    progress = mlflow_store.get_metric_history(finished.info.run_id, "progress")
     assert max(metric.value for metric in progress) == 1.0
 
 
-def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(project: MlflowClient, tmp_path: Path) -> None:
+def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(
+    mlflow_store: MlflowClient, tmp_path: Path
+) -> None:
     wanted = settings(write_topic_pairs(tmp_path / "pairs.jsonl", 160), [Stage.SFT])
     first = rlhf_pipeline(wanted)
     assert first.outputs["sft"].out_dir.parent == first.run_dir
@@ -168,14 +160,14 @@ def test_deleted_output_is_recomputed_and_unchanged_stages_stay_cached(project: 
 
 
 def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_inputs(
-    project: MlflowClient, tmp_path: Path
+    mlflow_store: MlflowClient, tmp_path: Path
 ) -> None:
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     state = rlhf_pipeline(settings(data, [Stage.SFT]), return_state=True)
     result = state.result()
     assert flow_run_messages(state.state_details.flow_run_id) >= {"stage 1/2: prepare-data", "stage 2/2: sft"}
 
-    parent = project.get_run(result.mlflow_run_id)
+    parent = mlflow_store.get_run(result.mlflow_run_id)
     assert set(result.stage_minutes) == {"prepare-data", "sft"} and min(result.stage_minutes.values()) > 0
     minutes = {key: value for key, value in parent.data.metrics.items() if key.startswith("minutes.")}
     assert minutes == pytest.approx({"minutes.prepare-data": result.stage_minutes["prepare-data"],
@@ -184,10 +176,10 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
     assert f"stage sft: {result.outputs['sft'].out_dir} ({result.stage_minutes['sft']:.1f} min)" in result.summary()
     assert parent.data.params["data.source"] == str(data)  # not params.yaml's Anthropic/hh-rlhf
     assert parent.data.tags[DATA_SOURCE_TAG] == str(data)
-    prepare, sft = (project.get_run(result.outputs[stage].mlflow_run_id) for stage in ("prepare-data", "sft"))
+    prepare, sft = (mlflow_store.get_run(result.outputs[stage].mlflow_run_id) for stage in ("prepare-data", "sft"))
     assert prepare.data.params["data.source"] == str(data)
-    commit, _ = git_state(REPO)
-    config = load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+    commit, _ = git_state(ROOT)
+    config = load_config(PARAMS, [TINY])
     for run in (prepare, sft):
         assert run.data.tags[GIT_COMMIT_TAG] == commit
         assert run.data.tags[DATA_VERSION_TAG] == file_sha256(data) == result.data.version
@@ -210,7 +202,7 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
         "prepare-data": "Cached",
         "sft": "Cached",
     }
-    assert project.get_run(again.result().mlflow_run_id).data.params["data.source"] == str(moved)
+    assert mlflow_store.get_run(again.result().mlflow_run_id).data.params["data.source"] == str(moved)
 
 
 def test_training_slot_admits_one_training_stage_at_a_time(prefect_api: str) -> None:

@@ -12,18 +12,18 @@ slot stayed taken in PREFECT_HOME's database and the rerun waited forever).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 PPO_STEPS = 6
 CHECKPOINT_EVERY = 2
 START_DEADLINE_S = 600
@@ -33,10 +33,10 @@ RUN_DEADLINE_S = 900
 def run_command(data: Path) -> list[str]:
     """`rlhf run` up to PPO on the tiny config, with a PPO run long enough to be killed in the middle."""
     return [
-        sys.executable, "-c", "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "run",
-        "--params", str(REPO / "params.yaml"),
-        "--config", str(REPO / "configs" / "tiny.yaml"),
+        "--params", str(PARAMS),
+        "--config", str(TINY),
         "-s", f"ppo.steps={PPO_STEPS}",
         "-s", f"ppo.checkpoint_every={CHECKPOINT_EVERY}",
         "--data", str(data),
@@ -53,7 +53,7 @@ def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(tmp_p
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     env |= {
         "PREFECT_HOME": str(tmp_path / "prefect-home"),  # one temporary server's database for both runs
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": str(ROOT),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     ppo_dir = kill_at_first_checkpoint(run_command(data), tmp_path, env, tmp_path / "runs", "*/ppo", START_DEADLINE_S)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.servers import log_tail, start_server, stop_server
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -44,7 +45,6 @@ from tasks.registry import (
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "rlhf-pipeline/rlhf-pipeline"
 SERVE_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
@@ -111,9 +111,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlfl
     command = [sys.executable, "-c", "from rlhf_cli.run_commands import serve; serve()"]
     server = start_server("rlhf serve", command, env, project / "serve.log")
     settings = {
-        "config": [str(REPO / "configs" / "tiny.yaml")],
+        "config": [str(TINY)],
         "data": str(data),
-        "params_file": str(REPO / "params.yaml"),
+        "params_file": str(PARAMS),
         "overrides": ["ppo.steps=2"],  # the tiny overlay's PPO, one iteration shorter
     }
     runs: dict[str, PipelineRun] = {}
@@ -177,7 +177,7 @@ def test_mlflow_holds_a_parent_run_with_lineage_and_nested_stage_runs(scenario: 
     parent = parent_run(client, scenario.runs["A"])
     assert parent.info.status == "FINISHED"
     commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
     tags = parent.data.tags
     assert tags[GIT_COMMIT_TAG] == commit

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from fixtures.stage_outputs import stage_output
 from mlflow import MlflowClient
 from mlflow.pyfunc.scoring_server import init as scoring_app
 from starlette.testclient import TestClient
@@ -17,7 +18,7 @@ from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
-from tasks.outputs import StageOutput, output_sha256
+from tasks.outputs import StageOutput
 from tasks.registry import CHALLENGER_ALIAS, CONTENT_TAG, register
 from tasks.tracking import get_or_create_experiment, local_artifact_location
 
@@ -57,10 +58,10 @@ def dominated_policy(dominant_id):
     return model, tokenizer
 
 
-def stage_output(stage: str, out_dir: Path) -> StageOutput:
+def finished_output(stage: str, out_dir: Path) -> StageOutput:
+    """`out_dir` (with its model) as a finished stage's output: metrics.json written."""
     (out_dir / "metrics.json").write_text("{}")
-    model_dir = out_dir / "model"
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
+    return stage_output(stage, out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowClient, str, 
 def policy_output(tmp_path_factory: pytest.TempPathFactory) -> StageOutput:
     out_dir = tmp_path_factory.mktemp("ppo")
     save_causal_lm(*eager_end_of_turn_policy(), out_dir / "model")
-    return stage_output("ppo", out_dir)
+    return finished_output("ppo", out_dir)
 
 
 def test_policy_is_a_chat_model_that_stops_at_end_of_turn(store, policy_output: StageOutput) -> None:
@@ -109,8 +110,8 @@ def test_invocations_answers_a_chat_request_with_one_completion_cut_at_max_token
     client, uri, run_id = store
     for name, policy in (("first", never_ending_policy()), ("second", eager_end_of_turn_policy())):
         save_causal_lm(*policy, tmp_path / name / "model")
-    register(client, uri, run_id, "policy-c", stage_output("ppo", tmp_path / "first"), {}, CHALLENGER_ALIAS)
-    newest = register(client, uri, run_id, "policy-c", stage_output("ppo", tmp_path / "second"), {}, alias=None)
+    register(client, uri, run_id, "policy-c", finished_output("ppo", tmp_path / "first"), {}, CHALLENGER_ALIAS)
+    newest = register(client, uri, run_id, "policy-c", finished_output("ppo", tmp_path / "second"), {}, alias=None)
     assert newest.version == "2"  # the alias, not the newest version, decides what is served
 
     mlflow.set_tracking_uri(uri)
@@ -143,7 +144,7 @@ def test_unchanged_content_reuses_the_version_and_new_content_moves_the_alias(
 
     model, tokenizer = load_base_model(ModelConfig(kind="tiny"))
     save_causal_lm(model, tokenizer, tmp_path / "model")
-    newer = register(client, uri, run_id, "policy-b", stage_output("ppo", tmp_path), {}, CHALLENGER_ALIAS)
+    newer = register(client, uri, run_id, "policy-b", finished_output("ppo", tmp_path), {}, CHALLENGER_ALIAS)
     assert (newer.version, newer.reused) == (str(int(first.version) + 1), False)
     assert str(client.get_model_version_by_alias("policy-b", CHALLENGER_ALIAS).version) == newer.version
 
@@ -157,7 +158,7 @@ def test_reward_model_scores_like_the_reward_model_itself(
     lm, tokenizer = load_base_model(ModelConfig(kind="tiny"))
     reward_model = RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), seed=3).eval()
     reward_model.save_pretrained(tmp_path / "model", tokenizer)
-    registered = register(client, uri, run_id, "reward-a", stage_output("reward", tmp_path), {}, alias=None)
+    registered = register(client, uri, run_id, "reward-a", finished_output("reward", tmp_path), {}, alias=None)
     assert registered.uri == "models:/reward-a/1"
 
     requests = [

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, ROOT, TINY
 from prefect.states import Completed, Failed
 
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline, stages_to_run
@@ -23,12 +24,10 @@ from tasks.outputs import StageOutput, directory_sha256, output_sha256
 from tasks.retries import is_retryable
 from tasks.stage_runs import STAGE_SECTIONS
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def tiny_config():
-    return load_config(REPO / "params.yaml", [REPO / "configs" / "tiny.yaml"])
+    return load_config(PARAMS, [TINY])
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> Path:
@@ -109,7 +108,7 @@ def test_cache_key_depends_on_own_sections_and_inputs_only(tiny_config) -> None:
 def test_cache_key_changes_with_the_code(tiny_config, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = {"data": "d" * 64}
     key = stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs)
-    assert code_fingerprint().endswith("+" + source_fingerprint(REPO / "rlhf_core"))  # the library's sources
+    assert code_fingerprint().endswith("+" + source_fingerprint(ROOT / "rlhf_core"))  # the library's sources
     monkeypatch.setattr("tasks.caching.code_fingerprint", lambda: "0.2.0+" + "f" * 64)
     assert stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs) != key
 
@@ -205,7 +204,7 @@ def test_pipeline_settings_form_lists_every_field_and_stage() -> None:
 @pytest.mark.slow
 def test_lineage_hashes(tmp_path: Path, tiny_config) -> None:
     assert git_state(tmp_path) == ("unknown", None)
-    commit, dirty = git_state(REPO)
+    commit, dirty = git_state(ROOT)
     assert len(commit) == 40 and isinstance(dirty, bool)
     assert dependency_set_sha256() == dependency_set_sha256()
     changed = tiny_config.model_copy(update={"seed": 7})

@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import ROOT, TINY, hh_pair, save_rm_output, save_sft_output, tiny_config  # noqa: F401
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import ROOT, TINY
+from fixtures.tiny_ppo import save_rm_output, save_sft_output, tiny_config  # noqa: F401
 
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock
@@ -38,7 +40,6 @@ with output_lock(Path(sys.argv[1]), "holder"):
     print("locked", flush=True)
     time.sleep(600)
 """
-CLI = [sys.executable, "-c", "from rlhf_cli.main import main; main()"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -53,15 +54,6 @@ def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     if process.poll() is None:
         process.kill()
     process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lock-data")
-    source = root / "pairs.jsonl"
-    source.write_text("".join(json.dumps(hh_pair(i)) + "\n" for i in range(80)))
-    run_prepare_data(tiny_config(), root / "data", source=str(source))
-    return root / "data"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +86,7 @@ def rlhf_sft(data_dir: Path, out: Path, *overrides: str) -> subprocess.Popen[str
 def rlhf(*args: str | Path) -> subprocess.Popen[str]:
     """`rlhf ARGS...` started in its own process."""
     return subprocess.Popen(
-        [*CLI, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*RLHF_COMMAND, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

@@ -2,16 +2,13 @@
 
 import pytest
 import torch
+from fixtures.masks import right_padded_mask
 
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages
 from rlhf_core.ppo.masked import masked_mean, masked_var
 
 LENGTHS = [7, 1, 4, 2, 1, 5]
 WIDTH = 7
-
-
-def right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
-    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
 
 
 def reference_gae(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from fixtures.masks import right_padded_mask
 
 from rlhf_core.ppo.kl import kl_k1, kl_k3
 from rlhf_core.ppo.masked import (
@@ -16,10 +17,6 @@ from rlhf_core.ppo.masked import (
     masked_var,
     masked_whiten,
 )
-
-
-def right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
-    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
 
 
 @pytest.fixture

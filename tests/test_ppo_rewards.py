@@ -3,13 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from fixtures.masks import right_padded_mask
 
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import normalize_scores, scale_scores, token_level_rewards
-
-
-def right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
-    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
 
 
 def running_with(mean: float, var: float) -> RunningMeanStd:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.tiny_ppo import trainer_data
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig, TinyModelConfig
@@ -20,17 +21,12 @@ from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.shared_trunk import find_shared_trunk
-from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+from rlhf_core.ppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIZES = TinyModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TOP = 1  # trainable blocks: the lower 3 form the trunk
-PROMPTS = [
-    [{"role": "user", "content": f"Tell me something about the number {i}." + " Please!" * i}]
-    for i in range(8)
-]
-SFT = [([{"role": "user", "content": f"Say {i}."}], f"I say {i}, then {i + 1}.") for i in range(8)]
 EXPERIENCE_FIELDS = (
     "response_ids", "logprobs", "ref_logprobs", "entropy", "values", "scores", "advantages", "returns",
 )  # fmt: skip
@@ -74,7 +70,7 @@ def make_trainer(models: PPOModels, tokenizer: PreTrainedTokenizerBase, **settin
             **settings,
         }
     )
-    data = PPOData(prompts=PROMPTS, val_prompts=PROMPTS[:2], ptx_examples=SFT)
+    data = trainer_data()
     return PPOTrainer(models, tokenizer, data, config, seed=0)
 
 

@@ -8,19 +8,14 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures.tiny_ppo import (  # noqa: F401
-    ROOT,
-    TINY,
-    StageInputs,
-    tiny_config,
-    write_stage_inputs,
-)
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import ROOT, TINY
+from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 from safetensors.torch import load_file
 
 from rlhf_core.data.prepare import load_split
@@ -33,11 +28,6 @@ from rlhf_core.training.checkpoint import complete_checkpoints
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RESUME_SETTINGS = ["-s", "ppo.steps=6", "-s", "ppo.checkpoint_every=2", "-s", "ppo.eval_every=3"]
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def history(out: Path) -> list[dict[str, float]]:
@@ -136,9 +126,7 @@ def test_unfinished_inputs_are_refused(inputs: StageInputs, tmp_path: Path) -> N
 
 def rlhf_ppo(inputs: StageInputs, out: Path) -> subprocess.Popen[str]:
     command = [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "ppo",
         "-c",
         str(TINY),

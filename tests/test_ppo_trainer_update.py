@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.tiny_ppo import trainer_data
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
@@ -17,17 +18,12 @@ from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo import update as update_module
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.learner import LocalLearner
 from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.scoring import RewardModelScorer
-from rlhf_core.ppo.trainer import PPOData, PPOTrainer
+from rlhf_core.ppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-PROMPTS = [
-    [{"role": "user", "content": f"Tell me something about the number {i}." + " Please!" * i}]
-    for i in range(8)
-]
-SFT = [([{"role": "user", "content": f"Say {i}."}], f"I say {i}, then {i + 1}.") for i in range(8)]
 
 
 def make_trainer(
@@ -60,7 +56,7 @@ def make_trainer(
         critic=Critic.from_reward_model(reward_model),
         scorer=RewardModelScorer(reward_model, micro_batch_size=2),
     )
-    data = PPOData(prompts=PROMPTS, val_prompts=PROMPTS[:2], ptx_examples=SFT)
+    data = trainer_data()
     return PPOTrainer(models, tokenizer, data, config, seed=0)
 
 
@@ -145,6 +141,7 @@ def test_gradients_are_clipped_per_model(
             grads = [p.grad for p in group["params"] if p.grad is not None]
             applied[group["name"]] = math.sqrt(sum(float(g.square().sum()) for g in grads))
 
+    assert isinstance(trainer.learner, LocalLearner)  # one process: one AdamW, whose step is watched
     trainer.learner.optimizer.register_step_pre_hook(record_applied_norms)
     metrics = trainer.learn(rollout(trainer), step=1)
     assert (

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
 from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.servers import S3Server, free_port
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -29,7 +30,6 @@ from tasks.preflight import (
     tracking_services,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 # A guard against the old behaviour (minutes of client retries), not a measurement.
 COMMAND_TIMEOUT_S = 120
 SERVICE_VARIABLES = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
@@ -138,8 +138,8 @@ def test_the_dvc_remote_is_read_from_the_repository_config(tmp_path: Path, monke
 
 def rlhf(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The console entry point in a fresh process (PYTHONPATH: this checkout), as a user runs it."""
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
-    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
+    command = [*RLHF_COMMAND, *args]
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
     return subprocess.run(
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
     )
@@ -163,7 +163,7 @@ def test_rlhf_run_with_an_unreachable_service_fails_in_one_line_before_any_work(
     project = tmp_path / "project"
     project.mkdir()
     data = write_topic_pairs(project / "pairs.jsonl", 40)
-    config = ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml")]
+    config = ["--params", str(PARAMS), "--config", str(TINY)]
 
     result = rlhf(["run", *config, "--data", str(data)], project, clean_env(tmp_path) | {variable: url})
 
@@ -183,7 +183,7 @@ def test_rlhf_data_add_with_an_unreachable_dvc_remote_fails_in_one_line(tmp_path
     endpoint = closed_url()
     repo = dvc_repo(tmp_path / "repo", "s3://dvc-data/project", endpoint)
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 10)
-    config = ["--params", str(REPO / "params.yaml"), "--config", str(REPO / "configs" / "tiny.yaml")]
+    config = ["--params", str(PARAMS), "--config", str(TINY)]
 
     result = rlhf(["data", "add", str(data), *config], repo, clean_env(tmp_path))
 

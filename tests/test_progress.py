@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
+from tqdm.auto import tqdm
 
 from rlhf_core import progress as progress_module
-from rlhf_core.progress import QUIET_ENV, bars_enabled, progress
+from rlhf_core.progress import QUIET_ENV, bars_enabled, progress, unswitchable_bars_hidden
 
 
 class Terminal(io.StringIO):
@@ -52,3 +54,33 @@ def test_quiet_draws_nothing_but_still_counts(monkeypatch: pytest.MonkeyPatch) -
     with progress(3, "eval", "prompt", lambda done, total: reported.append((done, total))) as tracker:
         tracker.advance(3)
     assert reported == [(3, 3)] and terminal.getvalue() == ""
+
+
+def library_bar() -> None:
+    """A library's bar with no switch of its own: plain tqdm on whatever sys.stderr is."""
+    for _ in tqdm(range(3), desc="de-quantizing"):
+        pass
+
+
+def test_an_unswitchable_library_bar_is_hidden_unless_someone_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(QUIET_ENV, raising=False)
+    log_file = io.StringIO()
+    monkeypatch.setattr(progress_module.sys, "stderr", log_file)
+    with unswitchable_bars_hidden():
+        library_bar()
+    assert log_file.getvalue() == ""
+    terminal = Terminal()
+    monkeypatch.setattr(progress_module.sys, "stderr", terminal)
+    with unswitchable_bars_hidden():
+        library_bar()
+    assert "de-quantizing" in terminal.getvalue()
+
+
+def test_what_a_failing_block_wrote_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(QUIET_ENV, "1")
+    log_file = io.StringIO()
+    monkeypatch.setattr(progress_module.sys, "stderr", log_file)
+    with pytest.raises(ValueError, match="bad tensor"), unswitchable_bars_hidden():
+        print("the reason, as the library wrote it", file=sys.stderr)
+        raise ValueError("bad tensor")
+    assert log_file.getvalue() == "the reason, as the library wrote it\n"

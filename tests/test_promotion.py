@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fixtures.paths import PARAMS, TINY
+from fixtures.stage_outputs import stage_output
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -59,7 +61,7 @@ from tasks.caching import with_cache_dir
 from tasks.evaluation import JudgeSpec, evaluate_task
 from tasks.lineage import flow_run_tags
 from tasks.mlflow_runs import close_run, open_pipeline_run
-from tasks.outputs import StageOutput, output_sha256
+from tasks.outputs import StageOutput
 from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
 from tasks.stage_runs import StageContext
 from tasks.registry import (
@@ -76,7 +78,6 @@ from tasks.tracking import get_or_create_experiment
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICY = "promotion-policy"
 SAME_AS_SFT = "promotion-policy-same"  # step H: a policy model whose version 1 is its SFT model
 REWARD = "promotion-reward"
@@ -102,11 +103,6 @@ class Scenario:
     pipeline_evaluation: StageOutput  # step P
 
 
-def stage_output(stage: str, out_dir: Path, with_model: bool = True) -> StageOutput:
-    model_dir = out_dir / "model" if with_model else None
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir)
-
-
 def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: float) -> str:
     """An MLflow run standing for a PPO stage run: the final figures the gate reads."""
     run_id = client.create_run(experiment_id, run_name="ppo").info.run_id
@@ -119,7 +115,7 @@ def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: 
 
 def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, object]:
     return {
-        "config": [str(ROOT / "configs" / "tiny.yaml")],
+        "config": [str(TINY)],
         "overrides": [
             f"tracking.policy_model_name={POLICY}",
             f"tracking.reward_model_name={REWARD}",
@@ -129,7 +125,7 @@ def settings(runs_dir: Path, *overrides: str, **changes: object) -> dict[str, ob
             "promotion.min_lc_win_rate_low=0.4",
             *overrides,
         ],
-        "params_file": str(ROOT / "params.yaml"),
+        "params_file": str(PARAMS),
         "runs_dir": str(runs_dir),
         **changes,
     }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,8 @@ from uuid import UUID
 
 import pytest
 import typer
+from fixtures.pairs import write_topic_pairs
+from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName
@@ -48,8 +49,6 @@ from tasks.remote import RemoteStages
 
 pytestmark = pytest.mark.slow
 
-PROJECT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore", "params.yaml", "configs/tiny.yaml")
 POLICY = "retrain-policy"
 OVERRIDES = [
     f"tracking.policy_model_name={POLICY}",
@@ -63,32 +62,17 @@ OVERRIDES = [
 TRIGGERED_RUN_DEADLINE_S = 60.0
 
 
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=rlhf-tests", "-c", "user.email=rlhf-tests@example.com"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout
-
-
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str, mlflow_server: str) -> str:
     """A committed project whose data/raw.dvc names data that is in the (local) DVC remote only; the cwd."""
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q")
-    for name in PROJECT_FILES:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(PROJECT / name, repo / name)
+    copy_project_files(repo, PROJECT_FILES)
     run_dvc(["remote", "modify", "local", "url", str(tmp_path / "dvc-remote")], repo)
     raw = repo / "data" / "raw"
     raw.mkdir(parents=True)
-    rows = [
-        {
-            "prompt": f"Question {index}: what should I know about topic {index % 7}?",
-            "chosen": f"Here is a careful answer about topic {index % 7}, number {index}.",
-            "rejected": "No.",
-        }
-        for index in range(160)
-    ]
-    (raw / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_topic_pairs(raw / "pairs.jsonl", 160)
     dvc_add(raw)
     dvc_push(raw)
     git(repo, "add", "-A")

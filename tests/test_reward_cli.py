@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import PARAMS, ROOT, TINY
 
 from rlhf_core.config import load_config
 from rlhf_core.stages.prepare_data import run_prepare_data
@@ -17,12 +18,9 @@ from rlhf_core.stages.sft import run_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-
 
 def rlhf(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from rlhf_cli.main import main; main()", *args]
+    command = [*RLHF_COMMAND, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
@@ -42,7 +40,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     rows.append({"chosen": "no turns at all", "rejected": "still none"})  # unreadable as a pair
     (root / "pairs.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    config = load_config(ROOT / "params.yaml", [TINY], ["sft.max_steps=1"])
+    config = load_config(PARAMS, [TINY], ["sft.max_steps=1"])
     run_prepare_data(config, root / "data", str(root / "pairs.jsonl"))
     run_sft(config, root / "data", root / "sft")
     return root
@@ -93,7 +91,7 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
     assert (workspace / "scores" / "plots" / "reward_margin_hist.png").is_file()
     # The stage directory and its model/ are the same reward model.
     direct = score_pair_file(
-        load_config(ROOT / "params.yaml", [TINY]),
+        load_config(PARAMS, [TINY]),
         workspace / "reward" / "model",
         str(workspace / "pairs.jsonl"),
     )
@@ -103,5 +101,5 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
 def test_score_pairs_names_a_directory_that_holds_no_reward_model(workspace: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a saved reward model nor a train-rm output"):
         score_pair_file(
-            load_config(ROOT / "params.yaml", [TINY]), workspace / "sft", str(workspace / "pairs.jsonl")
+            load_config(PARAMS, [TINY]), workspace / "sft", str(workspace / "pairs.jsonl")
         )

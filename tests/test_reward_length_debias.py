@@ -12,6 +12,7 @@ import torch
 from fixtures.tiny_ppo import tiny_config
 from torch import nn
 from torch.nn import functional as F
+from transformers import AutoTokenizer
 
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.reward.length_debias import (
@@ -20,13 +21,15 @@ from rlhf_core.reward.length_debias import (
     LengthTerm,
     OdinLengthHead,
     length_balanced_indices,
+    length_slope,
     logit_scores,
     odin_penalty,
     pearson,
 )
-from rlhf_core.reward.scoring import PairOutputs, SideOutputs
+from rlhf_core.data.prepare import load_split
+from rlhf_core.reward.scoring import PairOutputs, SideOutputs, score_pair_batches
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.stages.reward import run_train_rm
+from rlhf_core.stages.reward import encode_reward_pairs, run_train_rm, scored_reply_tokens, validation_batches
 
 
 def test_pearson_matches_numpy_and_is_zero_for_a_constant() -> None:
@@ -35,6 +38,16 @@ def test_pearson_matches_numpy_and_is_zero_for_a_constant() -> None:
     expected = np.corrcoef(x, y)[0, 1]
     assert pearson(torch.tensor(x), torch.tensor(y)).item() == pytest.approx(expected, abs=1e-9)
     assert pearson(torch.tensor(x), torch.ones(50, dtype=torch.float64)).item() == 0.0
+
+
+def test_length_slope_is_the_least_squares_slope_on_log_length() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 200, size=300)
+    scores = 0.3 - 0.7 * np.log1p(tokens) + rng.normal(scale=0.5, size=300)
+    assert length_slope(scores, tokens) == pytest.approx(np.polyfit(np.log1p(tokens), scores, 1)[0], abs=1e-12)
+    residual = scores - length_slope(scores, tokens) * np.log1p(tokens)
+    assert abs(np.corrcoef(residual, np.log1p(tokens))[0, 1]) < 1e-12
+    assert length_slope(scores, np.full(300, 17)) == 0.0  # no spread in length: no slope to fit
 
 
 def reference_balanced_counts(chosen: np.ndarray, rejected: np.ndarray) -> dict[int, tuple[int, int]]:
@@ -184,3 +197,34 @@ def test_every_mode_trains_and_saves_the_quality_head_alone(
             tmp_path / "plain",
         )
         assert result.metrics["train_pairs"] < unbalanced.metrics["train_pairs"]
+
+
+@pytest.mark.slow
+def test_length_residual_saves_a_reward_uncorrelated_with_length_on_the_training_replies(
+    length_confounded_data: Path, tmp_path: Path
+) -> None:
+    settings = ("data.max_rm_train_pairs=null", "reward.init_from=base", "reward.max_steps=3")
+    config = tiny_config(*settings, "reward.length_debias=length_residual")
+    result = run_train_rm(config, length_confounded_data, None, tmp_path / "rm")
+    model = RewardModel.from_pretrained(tmp_path / "rm" / "model")
+    assert model.length_slope == result.metrics["length_slope"] != 0.0
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm" / "model")
+    records = load_split(length_confounded_data, "rm_train"), load_split(length_confounded_data, "rm_val")
+    train_pairs, _ = encode_reward_pairs(tokenizer, *records, config.reward, length_confounded_data, "rm_train", 0)
+    batches = validation_batches(train_pairs, 4, 0, tokenizer.pad_token_id)
+    log_length = np.log1p(np.concatenate(scored_reply_tokens(train_pairs, batches)))
+
+    def scores() -> np.ndarray:
+        scored = score_pair_batches(model, batches, None, with_lm_loss=False)
+        return np.concatenate([scored.chosen, scored.rejected])
+
+    debiased = scores()
+    model.length_slope = 0.0
+    head = scores()
+    assert debiased == pytest.approx(head - result.metrics["length_slope"] * log_length, abs=1e-5)
+    assert abs(np.corrcoef(debiased, log_length)[0, 1]) < 1e-3  # what PPO reads pays nothing for length
+    assert abs(np.corrcoef(head, log_length)[0, 1]) > 0.1  # the head alone did
+
+    plain = run_train_rm(tiny_config(*settings), length_confounded_data, None, tmp_path / "plain")
+    assert result.metrics["val/auc_gain_over_length"] == pytest.approx(plain.metrics["val/auc_gain_over_length"], abs=1e-3)

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from fixtures.statistics_by_loop import ranks_by_loop, spearman_by_loop
 
 from rlhf_core.reward.length_metrics import (
     RIDGE,
@@ -30,22 +31,9 @@ def random_pairs(seed: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 # ---- plain references
 
 
-def ranks_by_loop(values: list[float]) -> list[float]:
-    """1-based rank: 1 + (values below) + (ties, itself included, - 1) / 2."""
-    return [1 + sum(v < x for v in values) + (sum(v == x for v in values) - 1) / 2 for x in values]
-
-
 def auc_by_loop(positive: list[float], negative: list[float]) -> float:
     wins = sum((p > n) + 0.5 * (p == n) for p in positive for n in negative)
     return wins / (len(positive) * len(negative))
-
-
-def spearman_by_loop(values: list[float], other: list[float]) -> float:
-    ranks, other_ranks = ranks_by_loop(values), ranks_by_loop(other)
-    mean, other_mean = sum(ranks) / len(ranks), sum(other_ranks) / len(other_ranks)
-    covariance = sum((a - mean) * (b - other_mean) for a, b in zip(ranks, other_ranks))
-    spread = math.sqrt(sum((a - mean) ** 2 for a in ranks) * sum((b - other_mean) ** 2 for b in other_ranks))
-    return covariance / spread
 
 
 def logistic_by_loop(rows: list[list[float]], labels: list[float]) -> np.ndarray:

@@ -16,17 +16,18 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.tiny_ppo import write_prepared_data
 from safetensors.torch import load_file
 
 from rlhf_core.config import Config, load_config
-from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import run_train_rm
 from rlhf_core.training.checkpoint import (
     TEMPORARY_PREFIX,
@@ -36,8 +37,6 @@ from rlhf_core.training.checkpoint import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 16
 SETTINGS = (
     "reward.init_from=base",
@@ -51,15 +50,13 @@ SETTINGS = (
 
 
 def config() -> Config:
-    return load_config(ROOT / "params.yaml", [TINY], list(SETTINGS))
+    return load_config(PARAMS, [TINY], list(SETTINGS))
 
 
 def command(data_dir: Path, out: Path) -> list[str]:
     overrides = [arg for setting in SETTINGS for arg in ("-s", setting)]
     return [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "train-rm",
         "-c",
         str(TINY),
@@ -96,11 +93,10 @@ def history_length(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("resume-data")
+def problem_rows(count: int) -> list[dict[str, str]]:
+    """HH-style pairs about numbered problems."""
     rows = []
-    for i in range(120):
+    for i in range(count):
         prompt = f"\n\nHuman: What should I do about problem {i}?"
         rows.append(
             {
@@ -108,15 +104,20 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "rejected": f"{prompt}\n\nAssistant: Problem {i} is yours, not mine.",
             }
         )
-    (root / "pairs.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    run_prepare_data(load_config(ROOT / "params.yaml", [TINY]), root / "prepared", str(root / "pairs.jsonl"))
-    return root / "prepared"
+    return rows
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def resume_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Not the shared `data_dir` (36 reward-model training pairs): 120 pairs give 60, so the 16 steps of 8
+    pairs cross an epoch boundary and end before `reward.epochs=3` would stop the run."""
+    return write_prepared_data(tmp_path_factory.mktemp("resume-data"), problem_rows(120))
+
+
+@pytest.fixture(scope="module")
+def reference(resume_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted") / "reward"
-    run_train_rm(config(), data_dir, None, out)
+    run_train_rm(config(), resume_data_dir, None, out)
     return out
 
 
@@ -143,17 +144,17 @@ def kill_at_a_random_moment(data_dir: Path, out: Path, rng: random.Random) -> No
 
 @pytest.mark.slow
 def test_rerun_after_sigkill_matches_the_uninterrupted_run(
-    data_dir: Path, reference: Path, tmp_path: Path
+    resume_data_dir: Path, reference: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "reward"
-    kill_at_a_random_moment(data_dir, out, random.Random(7))
+    kill_at_a_random_moment(resume_data_dir, out, random.Random(7))
     assert not (out / "metrics.json").exists()
     latest = latest_checkpoint(out / "checkpoints")
     assert latest is not None
     resumed_step = checkpoint_step(latest)
 
     recorder = StepRecorder()
-    metrics = run_train_rm(config(), data_dir, None, out, logger=recorder).metrics
+    metrics = run_train_rm(config(), resume_data_dir, None, out, logger=recorder).metrics
     expected = json.loads((reference / "metrics.json").read_text())
     assert recorder.steps == list(range(resumed_step + 1, STEPS + 1))  # first new step: checkpoint + 1
     assert metrics["resumed_from"] == resumed_step and expected["resumed_from"] == 0

@@ -10,21 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_ppo import tiny_config
+from fixtures.tiny_ppo import tiny_config, write_prepared_data
 
 from rlhf_core.config import Config
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES, length_skill
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
-from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import run_train_rm
 from rlhf_core.stages.score_pairs import score_pair_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = (
     "river stone cloud paper green quiet table window music garden bright silver ocean winter candle "
     "forest yellow mirror pencil thunder"
@@ -58,18 +55,15 @@ def marker_rows(count: int, seed: int) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("marker-data")
-    source = root / "pairs.jsonl"
-    source.write_text("\n".join(json.dumps(row) for row in marker_rows(300, seed=0)) + "\n")
-    run_prepare_data(uncapped_config(), root / "prepared", str(source))
-    return root / "prepared"
+def marker_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Not the shared `data_dir`: 300 pairs with the planted marker, every one kept (the preference to learn)."""
+    return write_prepared_data(tmp_path_factory.mktemp("marker-data"), marker_rows(300, seed=0), uncapped_config())
 
 
 @pytest.fixture(scope="module")
-def behaviour_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+def behaviour_run(marker_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
     out = tmp_path_factory.mktemp("rm-run") / "reward"
-    result = run_train_rm(uncapped_config(*BEHAVIOUR), data_dir, None, out)
+    result = run_train_rm(uncapped_config(*BEHAVIOUR), marker_data_dir, None, out)
     assert result.model_dir == out / "model"
     return out, result.metrics
 
@@ -132,14 +126,14 @@ def test_skill_beyond_length_is_measured_on_the_table_of_validation_pairs(
 
 
 def test_score_pairs_reports_each_scored_batch_to_its_progress_callback(
-    behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
+    behaviour_run: tuple[Path, dict[str, float]], marker_data_dir: Path
 ) -> None:
     out, _ = behaviour_run
     reported: list[tuple[int, int]] = []
     result = score_pair_file(
         uncapped_config("reward.micro_batch_size=16"),
         out,
-        str(data_dir / "rm_val.parquet"),
+        str(marker_data_dir / "rm_val.parquet"),
         on_progress=lambda done, total: reported.append((done, total)),
     )
     pairs = result.accuracy.pairs
@@ -149,12 +143,12 @@ def test_score_pairs_reports_each_scored_batch_to_its_progress_callback(
 
 
 def test_saved_model_is_the_best_and_reproduces_the_metrics(
-    behaviour_run: tuple[Path, dict[str, float]], data_dir: Path
+    behaviour_run: tuple[Path, dict[str, float]], marker_data_dir: Path
 ) -> None:
     out, metrics = behaviour_run
     model = RewardModel.from_pretrained(out / "model")
     assert model.lm_head is not None  # beta_rm = 1 keeps the LM head; PPO loads this directory
-    rescored = score_pair_file(uncapped_config(), out, str(data_dir / "rm_val.parquet"))
+    rescored = score_pair_file(uncapped_config(), out, str(marker_data_dir / "rm_val.parquet"))
     assert rescored.accuracy.accuracy == pytest.approx(metrics["val/accuracy"])
     assert rescored.accuracy.mean_margin == pytest.approx(metrics["val/margin_mean"], abs=1e-5)
     # The same pairs in another order: the figures that do not resample agree.
@@ -164,12 +158,12 @@ def test_saved_model_is_the_best_and_reproduces_the_metrics(
     assert rescored.length.auc.gain == pytest.approx(metrics["val/auc_gain_over_length"], abs=1e-3)
 
 
-def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) -> None:
+def test_frozen_layer_cache_changes_no_number(marker_data_dir: Path, tmp_path: Path) -> None:
     """The same training with the lower block cached and computed every time: same metrics, same model."""
     settings = ("reward.init_from=base", "reward.max_steps=4", "reward.trainable_top_layers=1")
-    cached = run_train_rm(uncapped_config(*settings), data_dir, None, tmp_path / "cached").metrics
+    cached = run_train_rm(uncapped_config(*settings), marker_data_dir, None, tmp_path / "cached").metrics
     plain = run_train_rm(
-        uncapped_config(*settings, "reward.cache_frozen_layers=false"), data_dir, None, tmp_path / "plain"
+        uncapped_config(*settings, "reward.cache_frozen_layers=false"), marker_data_dir, None, tmp_path / "plain"
     )
     for name in (
         "val/accuracy",
@@ -189,20 +183,20 @@ def test_frozen_layer_cache_changes_no_number(data_dir: Path, tmp_path: Path) ->
         assert float(difference.max()) < 1e-4 and float(difference.mean()) < 1e-7, name
 
 
-def test_token_budget_batching_trains(data_dir: Path, tmp_path: Path) -> None:
+def test_token_budget_batching_trains(marker_data_dir: Path, tmp_path: Path) -> None:
     config = uncapped_config(
         "reward.init_from=base",
         "reward.max_steps=3",
         "reward.batching=token_budget",
         "reward.token_budget=1200",
     )
-    metrics = run_train_rm(config, data_dir, None, tmp_path / "rm").metrics
+    metrics = run_train_rm(config, marker_data_dir, None, tmp_path / "rm").metrics
     assert metrics["steps"] == 3
     history = [json.loads(line) for line in (tmp_path / "rm" / "history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history] == [1, 2, 3]
 
 
-def test_init_from_sft_needs_a_finished_sft_stage(data_dir: Path, tmp_path: Path) -> None:
+def test_init_from_sft_needs_a_finished_sft_stage(marker_data_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "sft" / "model").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="not a completed stage output"):
-        run_train_rm(uncapped_config(), data_dir, tmp_path / "sft", tmp_path / "rm")
+        run_train_rm(uncapped_config(), marker_data_dir, tmp_path / "sft", tmp_path / "rm")

@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import ROOT
 from fixtures.servers import log_tail, start_prefect_server, stop_server
 
 pytestmark = pytest.mark.slow  # a Prefect server and two `rlhf serve` processes
 
-REPO = Path(__file__).resolve().parents[1]
 STOP_DEADLINE_S = 5  # what the issue asks
 READY_TIMEOUT_S = 240  # importing the flows and registering the deployments on a busy machine
 SERVING = "serving "  # the line `rlhf serve` prints once its signal handlers are in place
@@ -28,10 +28,10 @@ SERVING = "serving "  # the line `rlhf serve` prints once its signal handlers ar
 def start_serving(api_url: str, project: Path, log_path: Path) -> subprocess.Popen:
     """`rlhf serve` in `project` against `api_url`, its output to `log_path`, in its own process group."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
-    env |= {"PREFECT_API_URL": api_url, "PREFECT_HOME": str(project / "prefect-home"), "PYTHONPATH": str(REPO)}
+    env |= {"PREFECT_API_URL": api_url, "PREFECT_HOME": str(project / "prefect-home"), "PYTHONPATH": str(ROOT)}
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-c", "from rlhf_cli.main import main; main()", "serve"],
+            [*RLHF_COMMAND, "serve"],
             cwd=project, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip

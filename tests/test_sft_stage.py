@@ -5,28 +5,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
-from fixtures.tiny_ppo import tiny_config
+from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.tiny_ppo import tiny_config, write_prepared_data
 from safetensors.torch import load_file
 
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.sft.plots import CURVES_FILE, points, read_history
-from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.sft import run_sft
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def hh_rows(count: int) -> list[dict[str, str]]:
@@ -45,12 +42,9 @@ def hh_rows(count: int) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sft-data")
-    source = root / "pairs.jsonl"
-    source.write_text("\n".join(json.dumps(row) for row in hh_rows(80)) + "\n")
-    run_prepare_data(tiny_config(), root / "prepared", str(source))
-    return root / "prepared"
+def multi_turn_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Not the shared `data_dir`: multi-turn transcripts, so the SFT loss mask meets earlier assistant turns."""
+    return write_prepared_data(tmp_path_factory.mktemp("sft-data"), hh_rows(80))
 
 
 class RecordingLogger:
@@ -73,11 +67,11 @@ class RecordingLogger:
 
 @pytest.fixture(scope="module")
 def first_run(
-    data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    multi_turn_data_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[str, float], RecordingLogger]:
     out = tmp_path_factory.mktemp("sft-run") / "sft"
     logger = RecordingLogger()
-    result = run_sft(tiny_config(), data_dir, out, logger=logger)
+    result = run_sft(tiny_config(), multi_turn_data_dir, out, logger=logger)
     assert result.out_dir == out and result.model_dir == out / "model"
     return out, result.metrics, logger
 
@@ -124,10 +118,10 @@ def test_sft_model_is_a_hugging_face_chat_model_with_the_trained_weights(
 
 
 def test_rerun_resumes_from_the_last_checkpoint_without_recomputing_the_baseline(
-    first_run: tuple[Path, dict[str, float], RecordingLogger], data_dir: Path
+    first_run: tuple[Path, dict[str, float], RecordingLogger], multi_turn_data_dir: Path
 ) -> None:
     out, metrics, _ = first_run
-    again = run_sft(tiny_config(), data_dir, out).metrics
+    again = run_sft(tiny_config(), multi_turn_data_dir, out).metrics
     assert again["resumed_from"] == 4 and again["steps"] == 4
     assert again["perplexity_before"] == metrics["perplexity_before"]  # restored from the checkpoint
     assert again["perplexity_after"] == pytest.approx(metrics["perplexity_after"])
@@ -136,18 +130,18 @@ def test_rerun_resumes_from_the_last_checkpoint_without_recomputing_the_baseline
 
 
 def test_changed_settings_refuse_to_resume_naming_the_change_and_keep_the_output_finished(
-    first_run: tuple[Path, dict[str, float], RecordingLogger], data_dir: Path
+    first_run: tuple[Path, dict[str, float], RecordingLogger], multi_turn_data_dir: Path
 ) -> None:
     out, _, _ = first_run
     finished = (out / "metrics.json").read_text()
     with pytest.raises(ResumeMismatchError, match=r"other settings or inputs: sft\.lr: 0\.001 -> 0\.002\."):
-        run_sft(tiny_config("sft.lr=0.002"), data_dir, out)
+        run_sft(tiny_config("sft.lr=0.002"), multi_turn_data_dir, out)
     assert (out / "metrics.json").read_text() == finished  # refused before touching the output
 
 
-def test_skip_hands_on_the_base_model_and_records_it(data_dir: Path, tmp_path: Path) -> None:
+def test_skip_hands_on_the_base_model_and_records_it(multi_turn_data_dir: Path, tmp_path: Path) -> None:
     config = tiny_config("sft.skip=true")
-    result = run_sft(config, data_dir, tmp_path / "sft")
+    result = run_sft(config, multi_turn_data_dir, tmp_path / "sft")
     metrics = result.metrics
     assert metrics["skipped"] == 1 and metrics["steps"] == 0
     assert metrics["perplexity_before"] == metrics["perplexity_after"]
@@ -166,12 +160,10 @@ def test_a_missing_data_dir_is_named_before_any_model_loads(tmp_path: Path) -> N
 def rlhf_sft_command(data_dir: Path, out: Path) -> list[str]:
     """`rlhf sft` on the tiny model for 2 steps, runnable from any directory."""
     return [
-        sys.executable,
-        "-c",
-        "from rlhf_cli.main import main; main()",
+        *RLHF_COMMAND,
         "sft",
         "--params",
-        str(ROOT / "params.yaml"),
+        str(PARAMS),
         "-c",
         str(TINY),
         "-s",
@@ -190,13 +182,13 @@ def command_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_rlhf_sft_command_with_stderr_in_a_file(data_dir: Path, tmp_path: Path) -> None:
+def test_rlhf_sft_command_with_stderr_in_a_file(multi_turn_data_dir: Path, tmp_path: Path) -> None:
     """The summary on stdout, nothing on the redirected stderr: DeepSpeed's warning is in the log file the
     command names, transformers' "Writing model shards" bar is off (issue 31)."""
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("w") as stderr:
         result = subprocess.run(
-            rlhf_sft_command(data_dir, tmp_path / "sft"),
+            rlhf_sft_command(multi_turn_data_dir, tmp_path / "sft"),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -216,11 +208,13 @@ def test_rlhf_sft_command_with_stderr_in_a_file(data_dir: Path, tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quiet", ["", "1"])
-def test_on_a_terminal_rlhf_quiet_turns_the_libraries_bars_off_too(data_dir: Path, tmp_path: Path, quiet: str) -> None:
+def test_on_a_terminal_rlhf_quiet_turns_the_libraries_bars_off_too(
+    multi_turn_data_dir: Path, tmp_path: Path, quiet: str
+) -> None:
     """On a terminal transformers draws its bar, as the project draws its own; RLHF_QUIET=1 turns both off
     (issue 30: the libraries' bars came through). DeepSpeed's warning goes to the log file either way."""
     status, stdout, terminal = run_with_terminal_stderr(
-        rlhf_sft_command(data_dir, tmp_path / "sft"), tmp_path, command_env(RLHF_QUIET=quiet), timeout_s=300
+        rlhf_sft_command(multi_turn_data_dir, tmp_path / "sft"), tmp_path, command_env(RLHF_QUIET=quiet), timeout_s=300
     )
     assert status == 0, terminal
     assert "sft: trained 2 steps" in stdout

@@ -8,17 +8,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import RLHF_COMMAND
+from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import (  # noqa: F401
-    ROOT,
-    TINY,
     StageInputs,
     save_sft_output,
     tiny_config,
-    write_stage_inputs,
 )
 
 from rlhf_core.models.tiny import load_tiny_model
@@ -28,13 +26,6 @@ from rlhf_core.stages.sft import run_sft
 from rlhf_core.stages.training_run import RUN_INPUTS_FILE, ResumeMismatchError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-CLI = [sys.executable, "-c", "from rlhf_cli.main import main; main()"]
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,9 @@ def snapshot(out: Path) -> dict[str, str]:
 
 def rlhf(*args: str) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment, check=False)
+    return subprocess.run(
+        [*RLHF_COMMAND, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment, check=False
+    )
 
 
 # --- SFT and the reward model -------------------------------------------------------------------------

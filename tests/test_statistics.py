@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from fixtures.statistics_by_loop import bootstrap_by_loop, spearman_by_loop
 
 from rlhf_core.statistics import (
     bootstrap_mean_interval,
@@ -57,22 +58,6 @@ def test_normal_quantile() -> None:
 
 
 # ---- paired bootstrap
-
-
-def bootstrap_by_loop(outcomes: list[float], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
-    """Reference: the same draws taken one resample at a time, the quantiles by sorting."""
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(outcomes), size=(resamples, len(outcomes)))
-    means = sorted(sum(outcomes[i] for i in row) / len(outcomes) for row in draws)
-    tail = (1 - confidence) / 2
-
-    def quantile(q: float) -> float:  # numpy's default "linear" method
-        position = q * (len(means) - 1)
-        below = math.floor(position)
-        above = min(below + 1, len(means) - 1)
-        return means[below] + (means[above] - means[below]) * (position - below)
-
-    return quantile(tail), quantile(1 - tail)
 
 
 def test_bootstrap_matches_a_plain_loop() -> None:
@@ -178,21 +163,6 @@ def test_agreement_needs_the_same_items() -> None:
 
 
 # ---- Spearman
-
-
-def spearman_by_loop(first: list[float], second: list[float]) -> float:
-    """Ranks by counting (ties get the mean rank), then Pearson's r of the ranks."""
-
-    def ranks(values: list[float]) -> list[float]:
-        return [
-            sum(other < value for other in values) + (sum(other == value for other in values) + 1) / 2
-            for value in values
-        ]
-
-    rx, ry = ranks(first), ranks(second)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return covariance / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
 def test_spearman_matches_a_loop_and_scipy() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.paths import ROOT
 from safetensors.torch import load_file
 
 from rlhf_core.training.checkpoint import (
@@ -24,14 +25,13 @@ from rlhf_core.training.checkpoint import (
     latest_checkpoint,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "scripts" / "train_tiny.py"
+SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
 TOTAL_STEPS = 20
 STEP_SLEEP = 0.03
 
 
 def launch(workdir: Path, **env_extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAIN_TINY_STEP_SLEEP": str(STEP_SLEEP), **env_extra}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_TINY_STEP_SLEEP": str(STEP_SLEEP), **env_extra}
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--workdir", str(workdir)],
         stdout=subprocess.PIPE,

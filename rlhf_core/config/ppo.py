@@ -111,7 +111,7 @@ class PPOConfig(Section):
         "rollout", description="Importance-sampling reference: the rollout policy, or the reference model (5.3.2)."
     )
 
-    # critic pretraining's stopping rule (rlhf_core/ppo/critic_pretraining.py)
+    # critic pretraining's stopping rule (rlhf_core/ppo/critic.py)
     critic_pretrain_patience: int = Field(
         3, ge=1, description="End critic pretraining after this many iterations without a lower value loss."
     )

@@ -44,7 +44,7 @@ class SFTConfig(TrainingConfig):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up.")
 
 
-LengthDebias = Literal["none", "balanced", "length_term", "odin"]
+LengthDebias = Literal["none", "balanced", "length_term", "odin", "length_residual"]
 
 
 class RewardConfig(TrainingConfig):
@@ -66,7 +66,8 @@ class RewardConfig(TrainingConfig):
         "none",
         description="Separate quality from reply length (docs/length-debias.md): none; balanced: "
         "length-balanced training pairs; length_term: a learned length term in the ranking logit; odin: "
-        "ODIN's quality and length heads (PPO and the judge read the quality head).",
+        "ODIN's quality and length heads (PPO and the judge read the quality head); length_residual: trained as "
+        "none, then the score's slope on log reply length over the training replies is subtracted.",
     )
     odin_correlation_weight: float = Field(
         1.0, ge=0, description="odin: weight of |rho(quality, length)| - rho(length head, length)."

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.saving import write_causal_lm
+from rlhf_core.progress import unswitchable_bars_hidden
 
 CACHE_ENV_VAR = "RLHF_CACHE_DIR"
 DEFAULT_CACHE_ROOT = Path("~/.cache/rlhf-pipeline")
@@ -51,10 +52,11 @@ def load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase
 
     The model is de-quantized but still marked as GGUF-quantized, so it cannot be saved as is.
     """
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, trust_remote_code=False
-    )
+    with unswitchable_bars_hidden():  # the de-quantization bar, off when nobody watches (rlhf_core/progress.py)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, trust_remote_code=False
+        )
     return model.eval(), tokenizer
 
 

@@ -65,7 +65,12 @@ class RewardModel(nn.Module):
     """Backbone + scalar head read at the end of the reply: r(x, y) of the paper's eq. (1)."""
 
     def __init__(
-        self, backbone: PreTrainedModel, score_head: nn.Linear, eot_id: int, lm_head: nn.Linear | None = None
+        self,
+        backbone: PreTrainedModel,
+        score_head: nn.Linear,
+        eot_id: int,
+        lm_head: nn.Linear | None = None,
+        length_slope: float = 0.0,
     ):
         super().__init__()
         if score_head.out_features != 1 or score_head.bias is None:
@@ -78,6 +83,9 @@ class RewardModel(nn.Module):
         # length out of score_head during training and is never saved, so everything that loads the
         # model (PPO, the judge) scores with score_head alone.
         self.length_head: nn.Module | None = None
+        # `reward.length_debias: length_residual`: r(x, y) = head - length_slope * log(1 + |y|), the slope
+        # fitted after training (rlhf_core/reward/length_debias.py) and saved in head_config.json.
+        self.length_slope = length_slope
 
     @classmethod
     def from_causal_lm(
@@ -103,13 +111,18 @@ class RewardModel(nn.Module):
         parts = load_scalar_head_model(directory, dtype=dtype, device=device)
         if parts.head_config.kind != "reward_model" or parts.head_config.eot_id is None:
             raise ValueError(f"{directory} holds a {parts.head_config.kind}, not a reward model")
-        return cls(parts.backbone, parts.head, parts.head_config.eot_id, parts.lm_head).eval()
+        config = parts.head_config
+        return cls(parts.backbone, parts.head, config.eot_id, parts.lm_head, config.length_slope).eval()
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> Path:
         """Save backbone (HF format), head, LM head if untied, tokenizer and head_config.json atomically."""
         mode = _lm_head_mode(self.lm_head, self.backbone)
         head_config = HeadConfig(
-            kind="reward_model", hidden_size=self.score_head.in_features, eot_id=self.eot_id, lm_head=mode
+            kind="reward_model",
+            hidden_size=self.score_head.in_features,
+            eot_id=self.eot_id,
+            lm_head=mode,
+            length_slope=self.length_slope,
         )
         separate_lm_head = self.lm_head if mode == "separate" else None
         return save_scalar_head_model(
@@ -141,7 +154,15 @@ class RewardModel(nn.Module):
         """Scores [B]: the score head on the final hidden states [B, T, H] at each reply's end-of-turn token."""
         ends = reply_end_positions(input_ids, attention_mask, self.eot_id, reply_start)
         end_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]  # [B, H]
-        return self.score_head(end_hidden).squeeze(-1)
+        return self.scores_at_ends(end_hidden, ends - torch.as_tensor(reply_start, device=ends.device))
+
+    def scores_at_ends(self, end_hidden: Tensor, reply_tokens: Tensor) -> Tensor:
+        """r(x, y) [B] from the final hidden state at each reply's end [B, H] and the reply's length in
+        tokens [B]: the score head, less the length slope's share (0 unless `length_residual`)."""
+        scores = self.score_head(end_hidden).squeeze(-1)
+        if self.length_slope == 0.0:
+            return scores
+        return scores - self.length_slope * torch.log1p(reply_tokens.to(scores.dtype))
 
 
 class Critic(nn.Module):

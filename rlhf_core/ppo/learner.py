@@ -2,15 +2,18 @@
 
 The update (rlhf_core/ppo/update.py) computes the losses and hands them here; a `Learner` accumulates
 each trained model's gradient (`backward`), and after a mini-batch's last micro-batch clips each model's
-global gradient norm separately (paper 5.3.2) and steps (`finish_step`). A NaN or infinite norm raises
-`CollapseError` and nothing of that step is applied. `LocalLearner` is one AdamW with a "policy" and a
-"critic" parameter group; under the `deepspeed` launcher `ppo.deepspeed_learner.PPOEngines` gives each
-model its own engine. Both save and restore the checkpoint format of rlhf_core/training/checkpoint.py.
+global gradient norm separately (paper 5.3.2, `clip_gradients`) and steps (`apply_gradients`). Between
+the two the update refuses a NaN or infinite norm (`discard_gradients`, then `CollapseError`), so nothing
+of that step is applied. `LocalLearner` is one AdamW with a "policy" and a "critic" parameter group;
+under the `deepspeed` launcher `ppo.deepspeed_learner.PPOEngines` gives each model its own engine. Both
+save and restore the checkpoint format of rlhf_core/training/checkpoint.py, and make the policy whole for
+sampling (`whole_policy`: a ZeRO-3 engine's partitioned weights gathered once for a rollout).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -21,7 +24,6 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_core.config import DistributedConfig, PPOConfig
 from rlhf_core.distributed.context import RankContext
-from rlhf_core.ppo.guard import check_finite
 from rlhf_core.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import adamw
@@ -30,7 +32,8 @@ ModelName = Literal["policy", "critic"]
 
 
 class Learner(Protocol):
-    """Accumulates, clips and applies the gradients of the policy and the critic."""
+    """Accumulates, clips and applies the gradients of the policy and the critic; everything PPO's
+    update and trainer use of it."""
 
     def backward(self, name: ModelName, loss: Tensor) -> None:
         """Accumulate one micro-batch's gradient of `name`'s loss."""
@@ -38,8 +41,15 @@ class Learner(Protocol):
     def discard_gradients(self) -> None:
         """Drop every accumulated gradient (before a non-finite step is refused)."""
 
-    def finish_step(self, train_policy: bool, step: int) -> dict[str, float]:
-        """Clip and apply the mini-batch's gradients; the norms before clipping (`<name>/grad_norm`)."""
+    def clip_gradients(self, train_policy: bool) -> dict[str, float]:
+        """Clip the mini-batch's gradient of the critic, and of the policy if `train_policy`, each to
+        `max_grad_norm`; the norms before clipping (`<name>/grad_norm`)."""
+
+    def apply_gradients(self) -> None:
+        """Step with the clipped gradients, then clear them."""
+
+    def whole_policy(self) -> AbstractContextManager[None]:
+        """For sampling: the context in which the policy's weights are whole."""
 
     def save(self, root: Path, state: TrainingState, keep: int) -> Path:
         """Checkpoint the trained weights, optimizer state and `state` under `root`."""
@@ -80,22 +90,23 @@ class LocalLearner:
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def finish_step(self, train_policy: bool, step: int) -> dict[str, float]:
+    def clip_gradients(self, train_policy: bool) -> dict[str, float]:
         stepped: list[ModelName] = ["critic", "policy"] if train_policy else ["critic"]
-        norms = {
+        return {
             f"{name}/grad_norm": float(
                 torch.nn.utils.clip_grad_norm_(_trainable(self.trainable[name]), self.max_grad_norm)
             )
             for name in stepped
         }
-        for name, norm in norms.items():
-            if not math.isfinite(norm):
-                self.discard_gradients()
-            check_finite(name, norm, step)
+
+    def apply_gradients(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norms
+
+    def whole_policy(self) -> AbstractContextManager[None]:
+        """Nothing to gather: the one process holds every weight."""
+        return nullcontext()
 
     def save(self, root: Path, state: TrainingState, keep: int) -> Path:
         return save_checkpoint(root, state, self.trainable, self.optimizer, self.scheduler, keep)

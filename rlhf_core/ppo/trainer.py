@@ -1,15 +1,14 @@
 """PPO-max training (paper section 5): the phases of an iteration, composed into a resumable run.
 
 An iteration is rollout (`ExperienceMaker`), guard (`CollapseGuard`), update (`PPOUpdate` through a
-`Learner`), with critic-only iterations first (`PlateauStop`); `Validator` validates on held-out prompts
-and `select_policy` picks the output installed as `<checkpoint_dir>/best/`. The phases, their files and
-what spans ranks under the deepspeed launcher: docs/stages-ppo.md (its numbered steps, "Where the code
-is", "Several ranks"). Only rank 0 logs and saves.
+`Learner`), with critic-only iterations first (`CriticPretraining`); `Validator` validates on held-out
+prompts and `select_policy` picks the output installed as `<checkpoint_dir>/best/`. The phases, their
+files and what spans ranks under the deepspeed launcher: docs/stages-ppo.md (its numbered steps, "Where
+the code is", "Several ranks"). Only rank 0 logs and saves.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -22,10 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.config import DistributedConfig, PPOConfig
 from rlhf_core.distributed.context import rank_context
-from rlhf_core.distributed.zero import gathered_for_generation
 from rlhf_core.models.chat import Messages
 from rlhf_core.models.lora import make_trainable
-from rlhf_core.ppo.critic_pretraining import PlateauStop
+from rlhf_core.ppo.critic import CriticPretraining
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import ExperienceMaker, PPOModels
 from rlhf_core.ppo.guard import CollapseError, CollapseGuard
@@ -43,7 +41,6 @@ from rlhf_core.training.loop import seed_everything
 from rlhf_core.training.precision import autocast
 from rlhf_core.training.vocabulary_gradients import accumulate_vocabulary_gradients_in_place
 
-log = logging.getLogger(__name__)
 SAMPLES_PER_TABLE = 4
 
 
@@ -93,13 +90,18 @@ class PPOTrainer:
             accumulate_vocabulary_gradients_in_place(models.policy)
             accumulate_vocabulary_gradients_in_place(models.critic.backbone)
         self.trainable = nn.ModuleDict({"policy": models.policy, "critic": models.critic})
-        self.critic_pretraining = PlateauStop(
-            config.critic_pretrain_steps, config.critic_pretrain_patience, config.critic_pretrain_min_improvement
-        )
-        self.pretrain_end: int | None = 0 if config.critic_pretrain_steps == 0 else None
+        self.critic_pretraining = CriticPretraining(config)
         self.learner = make_learner(self.trainable, config, self.context, self.total_steps, bf16, distributed)
         self.maker = ExperienceMaker(
-            models, tokenizer, data.prompts, config, seed, self.context, self._whole_policy, self._autocast, engine
+            models,
+            tokenizer,
+            data.prompts,
+            config,
+            seed,
+            self.context,
+            self.learner.whole_policy,
+            self._autocast,
+            engine,
         )
         self.ptx = (
             PtxStream(data.ptx_examples, tokenizer, config, self.context, seed, self.device)
@@ -115,31 +117,25 @@ class PPOTrainer:
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.bf16)
 
-    def _whole_policy(self) -> AbstractContextManager[None]:
-        """For sampling: a ZeRO-3 policy gathered once for the block (else nothing to do)."""
-        engines = getattr(self.learner, "engines", None)
-        return gathered_for_generation(engines["policy"] if engines is not None else None)
-
     # ---- the phases ------------------------------------------------------------------------------
 
     @property
     def total_steps(self) -> int:
         """Iterations of the run: the critic-only ones first (at most `critic_pretrain_steps` while they
         last), then `steps` PPO iterations."""
-        pretraining = self.config.critic_pretrain_steps if self.pretrain_end is None else self.pretrain_end
-        return pretraining + self.config.steps
+        return self.critic_pretraining.iterations + self.config.steps
 
     def trains_policy(self, step: int) -> bool:
         """Whether iteration `step` (1-based) updates the policy: not during critic pretraining."""
-        return self.pretrain_end is not None and step > self.pretrain_end
+        return self.critic_pretraining.trains_policy(step)
 
     def validates_after(self, step: int) -> bool:
         """Whether iteration `step` is followed by a validation: every `eval_every` PPO iterations and
         after the last (never during critic pretraining: the policy has not moved)."""
         if not self.trains_policy(step):
             return False
-        assert self.pretrain_end is not None
-        return (step - self.pretrain_end) % self.config.eval_every == 0 or step == self.total_steps
+        ppo_step = step - self.critic_pretraining.iterations
+        return ppo_step % self.config.eval_every == 0 or step == self.total_steps
 
     def rollout(self, step: int) -> tuple[Experience, Metrics]:
         """Phase 1 of iteration `step`: the next prompts' experience and all its monitors."""
@@ -148,12 +144,11 @@ class PPOTrainer:
         return experience, metrics
 
     def learn(self, experience: Experience, step: int) -> Metrics:
-        """Phase 3: the update; a critic-only iteration may end critic pretraining (`PlateauStop`)."""
+        """Phase 3: the update; a critic-only iteration may end critic pretraining."""
         train_policy = self.trains_policy(step)
         metrics = self.update.learn(experience, train_policy, step)
-        if not train_policy and self.critic_pretraining.update(metrics["loss/value"]):
-            self.pretrain_end = step
-            log.info("critic pretraining ended after %d iterations (value loss %.4g)", step, metrics["loss/value"])
+        if not train_policy:
+            self.critic_pretraining.record(step, metrics["loss/value"])
         return metrics
 
     # ---- state -----------------------------------------------------------------------------------
@@ -165,8 +160,7 @@ class PPOTrainer:
             **self.validator.state_dict(),
             "guard": self.guard.state_dict(),
             "ptx_steps_used": self.ptx.steps_used if self.ptx is not None else 0,
-            "critic_pretraining": self.critic_pretraining.state_dict(),
-            "pretrain_end": self.pretrain_end,
+            **self.critic_pretraining.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,8 +169,7 @@ class PPOTrainer:
         self.guard.load_state_dict(state["guard"])
         if self.ptx is not None:
             self.ptx.steps_used = int(state["ptx_steps_used"])
-        self.critic_pretraining.load_state_dict(state["critic_pretraining"])
-        self.pretrain_end = state["pretrain_end"]
+        self.critic_pretraining.load_state_dict(state)
 
     def save_checkpoint(self, root: Path, step: int, metrics: Metrics) -> Path:
         """Policy + critic weights, optimizer, scheduler, RNG states and `state_dict`, atomically."""
@@ -206,7 +199,7 @@ class FitResult:
     final_step: int  # the last iteration whose update was applied
     resumed_from: int
     total_steps: int
-    critic_pretrain_steps: int  # critic-only iterations run (PlateauStop)
+    critic_pretrain_steps: int  # critic-only iterations run (CriticPretraining)
     selection: Selection
     validations: list[ValidationRecord]
     metrics: Metrics  # the last logged iteration's monitors
@@ -289,7 +282,7 @@ def fit(
         final_step=final_step,
         resumed_from=state.step,
         total_steps=trainer.total_steps,
-        critic_pretrain_steps=trainer.pretrain_end if trainer.pretrain_end is not None else final_step,
+        critic_pretrain_steps=trainer.critic_pretraining.iterations_run(final_step),
         selection=selection,
         validations=list(trainer.validator.records),
         metrics=metrics,

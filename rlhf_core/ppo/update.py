@@ -4,7 +4,9 @@
 step accumulated over micro-batches of `micro_batch_size`. The advantages are whitened and clipped over
 the whole rollout batch first (`recipe.loss_advantages`); every loss is a token sum divided by the
 MINI-batch's token count (of all ranks), so the split into micro-batches and ranks does not change the
-update. The gradients go to a `learner.Learner`, which clips each model's norm and steps.
+update. The gradients go to a `learner.Learner`, which clips each model's norm and steps. This module is
+where a NaN or infinite loss or gradient norm is refused (`_refuse_non_finite`): the accumulated
+gradients are dropped and `CollapseError` ("finite") stops the run before the optimizer steps.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class PPOUpdate:
         """One optimizer step on one mini-batch, accumulated over its micro-batches.
 
         Raises `CollapseError` ("finite") before the optimizer steps if a loss or gradient norm is
-        NaN or infinite, so no bad update is ever applied.
+        NaN or infinite, so no bad update is ever applied (`_refuse_non_finite`).
         """
         num_tokens = sum_counts({"tokens": int(batch.response_mask.sum())})["tokens"]  # of all ranks
         ptx_batches = self.ptx.next_batches() if train_policy and self.ptx is not None else []
@@ -103,9 +105,10 @@ class PPOUpdate:
             if train_policy:
                 ptx = (ptx_batches[index], ptx_tokens) if ptx_batches else None
                 self._policy_backward(micro, num_tokens, ptx, step, metrics)
-        norms = self.learner.finish_step(train_policy, step)
+        norms = self.learner.clip_gradients(train_policy)
         for name, norm in norms.items():
-            check_finite(name, norm, step)
+            self._refuse_non_finite(name, norm, step)
+        self.learner.apply_gradients()
         return {**sum_metrics(dict(metrics)), **norms}  # each rank's share of the global mini-batch
 
     def _critic_backward(self, micro: Experience, num_tokens: int, step: int, metrics: dict[str, float]) -> None:
@@ -162,8 +165,13 @@ class PPOUpdate:
     def _backward(self, model: ModelName, name: str, loss: Tensor, step: int, metrics: dict[str, float]) -> None:
         """Check the loss is finite, add it to `metrics[name]` and accumulate `model`'s gradient."""
         value = loss.item()
+        self._refuse_non_finite(name, value, step)
+        metrics[name] += value
+        self.learner.backward(model, loss)
+
+    def _refuse_non_finite(self, name: str, value: float, step: int) -> None:
+        """A NaN or infinite loss or gradient norm: drop every accumulated gradient and raise
+        `CollapseError` ("finite"), so nothing of this step is applied."""
         if not math.isfinite(value):
             self.learner.discard_gradients()
         check_finite(name, value, step)
-        metrics[name] += value
-        self.learner.backward(model, loss)

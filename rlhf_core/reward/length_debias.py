@@ -18,6 +18,13 @@ setting of the reward stages (the same for the policy's reward model and the ind
       lambda_O * | w_Q . w_L |                      (the heads' weight vectors kept orthogonal)
   so length goes to r_L and the quality head is decorrelated from it. PPO and the judge read r_Q.
 
+- `length_residual`: trained as `none`; afterwards the selected model scores every training reply and
+  the least-squares slope b of score on log(1 + |y|) (with an intercept) is saved with the model, which
+  from then on scores r(x, y) = head - b * log(1 + |y|). Over the training replies the reward is then
+  uncorrelated with log length, so a policy cannot raise it by answering shorter or longer alone, as
+  far as the training replies' length range shows; the margin of a pair changes only by the pair's
+  length difference, so the reward's skill beyond length (the AUC gain) is unchanged.
+
 Both extra heads take the same inputs (the final hidden state at the reply's end, and the reply's
 length in tokens) so the scoring code treats them alike; neither is saved with the model.
 """
@@ -33,6 +40,17 @@ from torch import Tensor, nn
 from rlhf_core.config.training import LengthDebias
 from rlhf_core.reward.batch import EncodedPairs, pair_reply_tokens
 from rlhf_core.reward.scoring import PairOutputs, SideOutputs
+
+def length_slope(scores: np.ndarray, reply_tokens: np.ndarray) -> float:
+    """The `length_residual` slope: least-squares b in score ~ a + b * log(1 + tokens) over replies [N].
+
+    0 when the lengths do not vary (no slope can be told apart from the intercept)."""
+    log_length = np.log1p(np.asarray(reply_tokens, dtype=np.float64))
+    if np.ptp(log_length) == 0.0:
+        return 0.0
+    centred = log_length - log_length.mean()
+    return float(centred @ (np.asarray(scores, dtype=np.float64) - np.mean(scores)) / (centred @ centred))
+
 
 BALANCE_BINS = 5  # quantile bins of |len_chosen - len_rejected| in which `balanced` equalises the labels
 

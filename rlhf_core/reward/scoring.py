@@ -78,7 +78,7 @@ def side_outputs(model: RewardModel, hidden: Tensor, batch: SequenceBatch) -> Si
     end_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), ends]  # [B, H]
     lengths = ends - torch.as_tensor(batch.reply_start, device=ends.device)
     length_scores = None if model.length_head is None else model.length_head(end_hidden, lengths)
-    return SideOutputs(model.score_head(end_hidden).squeeze(-1), lengths, length_scores)
+    return SideOutputs(model.scores_at_ends(end_hidden, lengths), lengths, length_scores)
 
 
 def side_hidden_states(

@@ -56,8 +56,9 @@ from rlhf_core.layout import (
 )
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.chat import end_of_turn_id
-from rlhf_core.models.heads import Critic, RewardModel
+from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.ppo.critic import load_critic
 from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.monitors import SampleTable
 from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
@@ -88,7 +89,8 @@ HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "r
 def load_ppo_models(
     config: Config, sft_dir: Path, rm_dir: Path, device: torch.device
 ) -> tuple[PPOModels, PreTrainedTokenizerBase]:
-    """Policy and frozen reference from the SFT model, frozen reward model, critic per `critic_init`.
+    """Policy and frozen reference from the SFT model, frozen reward model, critic per `critic_init`
+    (rlhf_core/ppo/critic.py).
 
     The two frozen models are loaded in `ppo.frozen_models_dtype` (bf16 halves their memory; they only
     run forward passes, whose log-probs and scores are upcast to fp32), the trained ones in `model.dtype`.
@@ -112,11 +114,7 @@ def load_ppo_models(
             f"the reward model reads its score at token id {reward_model.eot_id}, but the policy ends its "
             f"turns with token id {end_of_turn_id(tokenizer)}"
         )
-    if config.ppo.critic_init == "reward":
-        critic = Critic.from_pretrained(rm_dir / MODEL_DIR, dtype=dtype, device=device)
-    else:
-        sft_copy, _ = load_causal_lm(sft_dir / MODEL_DIR, dtype=dtype, device=device)
-        critic = Critic.from_causal_lm(sft_copy, seed=config.seed)
+    critic = load_critic(config.ppo.critic_init, sft_dir / MODEL_DIR, rm_dir / MODEL_DIR, dtype, device, config.seed)
     scorer = RewardModelScorer(reward_model, config.ppo.scoring_rows)
     return PPOModels(policy=policy, reference=reference, critic=critic, scorer=scorer), tokenizer
 

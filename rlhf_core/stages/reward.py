@@ -55,7 +55,13 @@ from rlhf_core.reward.batch import (
     pair_reply_tokens,
 )
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
-from rlhf_core.reward.length_debias import length_balanced_pairs, logit_scores, new_length_head, odin_penalty
+from rlhf_core.reward.length_debias import (
+    length_balanced_pairs,
+    length_slope,
+    logit_scores,
+    new_length_head,
+    odin_penalty,
+)
 from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES, length_skill
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
 from rlhf_core.reward.metrics import pair_accuracy
@@ -313,6 +319,26 @@ def final_metrics(
     return validation_metrics(scores, config.reward.beta_rm, reply_tokens, AUC_GAIN_RESAMPLES, config.seed)
 
 
+def fit_length_residual(
+    config: Config, model_dir: Path, tokenizer: PreTrainedTokenizerBase, pairs: EncodedPairs, cache: FrozenLowerCache | None
+) -> float:
+    """`reward.length_debias: length_residual`: score the training `pairs` with the selected model's head,
+    fit the slope on log reply length (`length_slope`) and save the model with it; returns the slope.
+
+    The head's own scores are fitted (slope 0 while scoring), so a rerun after a crash here fits the
+    same slope again."""
+    model = RewardModel.from_pretrained(model_dir, dtype=DTYPES[config.model.dtype], device=training_device())
+    model.length_slope = 0.0
+    batches = validation_batches(pairs, config.reward.micro_batch_size, config.seed, tokenizer.pad_token_id)
+    scores = score_pair_batches(model, batches, cache, with_lm_loss=False)
+    chosen_tokens, rejected_tokens = scored_reply_tokens(pairs, batches)
+    model.length_slope = length_slope(
+        np.concatenate([scores.chosen, scores.rejected]), np.concatenate([chosen_tokens, rejected_tokens])
+    )
+    model.save_pretrained(model_dir, tokenizer)
+    return model.length_slope
+
+
 def _run_train_rm(
     config: Config,
     data_dir: Path,
@@ -376,6 +402,8 @@ def _run_train_rm(
         )
     if not context.is_main:  # rank 0 saved the best model and writes the stage's figures
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
+    if settings.length_debias == "length_residual":
+        run_state.values["length_slope"] = fit_length_residual(config, model_dir, tokenizer, train_pairs, train_cache)
 
     metrics = {
         **final_metrics(config, model_dir, val_batches, val_cache, out_dir, val_records, val_pairs),

@@ -105,7 +105,7 @@ def main() -> None:
     prompt = (prompt_ids, prompt_mask)
     torch.manual_seed(11)
     engine_ids = trainer.maker.generate(prompt).response_ids
-    with torch.no_grad(), trainer._whole_policy():  # the reference: generate on the gathered, updated policy
+    with torch.no_grad(), trainer.learner.whole_policy():  # the reference: generate on the gathered, updated policy
         torch.manual_seed(11)
         stops = trainer.maker.stop_ids
         reference_ids = generate_responses(policy, *prompt, config.ppo.rollout, stops, trainer.maker.pad_id)[0]
