@@ -227,30 +227,47 @@ def run_stages(
         )
     if Stage.EVALUATE in selected:
         clock.start(Stage.EVALUATE.value)
-        outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
-            config,
-            outputs["prepare-data"],
-            outputs["ppo"],
-            outputs["sft"],
-            judge_spec(config, outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]),
-            context,
-            names=("PPO policy", "SFT model"),
-        )
+        outputs["evaluate"] = evaluate_policy(config, outputs, context, cache_dir)
     if Stage.REGISTER in selected:
         clock.start(Stage.REGISTER.value)
-        lineage_stages = ("prepare-data", "sft", "judge-reward")
-        made_from = lineage_output_tags({stage: outputs[stage] for stage in lineage_stages if stage in outputs})
-        registered = register_task(
-            config,
-            outputs["reward"],
-            outputs["ppo"],
-            {**lineage, **made_from},
-            evaluation_tags(outputs["evaluate"]),
-            context,
-            judge_output=outputs.get("judge-reward"),
-        )
+        registered = register_outputs(config, outputs, lineage, context)
     clock.stop()
     return outputs, registered
+
+
+def evaluate_policy(
+    config: Config, outputs: dict[str, StageOutput], context: StageContext, cache_dir: Path
+) -> StageOutput:
+    """The evaluate stage: the PPO policy against the SFT model, judged by the judge reward model when this
+    run trains one, else by the reward model PPO optimised against."""
+    judge_output = outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]
+    return with_cache_dir(evaluate_task, cache_dir)(
+        config,
+        outputs["prepare-data"],
+        outputs["ppo"],
+        outputs["sft"],
+        judge_spec(config, judge_output),
+        context,
+        names=("PPO policy", "SFT model"),
+    )
+
+
+def register_outputs(
+    config: Config, outputs: dict[str, StageOutput], lineage: dict[str, str], context: StageContext
+) -> list[RegisteredVersion]:
+    """The register stage: the reward model, the judge (if trained) and the policy, tagged with `lineage`,
+    the stage outputs they came from and the evaluation."""
+    lineage_stages = ("prepare-data", "sft", "judge-reward")
+    made_from = lineage_output_tags({stage: outputs[stage] for stage in lineage_stages if stage in outputs})
+    return register_task(
+        config,
+        outputs["reward"],
+        outputs["ppo"],
+        {**lineage, **made_from},
+        evaluation_tags(outputs["evaluate"]),
+        context,
+        judge_output=outputs.get("judge-reward"),
+    )
 
 
 def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float]) -> None:

@@ -86,6 +86,28 @@ def check_not_same(sha256_a: str, sha256_b: str, allow_same: bool) -> None:
     typer.echo(f"warning: {message}; evaluating anyway (--allow-same)", err=True)
 
 
+def chosen_judge(judge: str | None, config: Config) -> str:
+    """`--judge`, else `evaluation.judge`; refused unless `rlhf eval` can run it (the human judge runs as a
+    Prefect flow)."""
+    from rlhf_core.stages.evaluate import HUMAN_JUDGE_MESSAGE, JUDGES
+
+    chosen = judge or config.evaluation.judge
+    if chosen == "human":
+        raise typer.BadParameter(HUMAN_JUDGE_MESSAGE, param_hint="--judge")
+    if chosen not in JUDGES:
+        raise typer.BadParameter(f"{chosen!r} is not a judge; choose rm or llm", param_hint="--judge")
+    return chosen
+
+
+def check_registry_reachable(references: tuple[str, ...], config: Config) -> None:
+    """When any reference is a `models:/` URI, check the registry's server answers, so an unreachable one
+    fails in seconds rather than inside a download."""
+    if any(reference.startswith(MODELS_URI_PREFIX) for reference in references):
+        from tasks.preflight import check_services, tracking_services
+
+        check_services(tracking_services(config.tracking.tracking_uri, Path.cwd()))
+
+
 def eval_inputs(
     models: tuple[str, str], data_dir: Path | None, rm_dir: str | None, judge: str, config: Config
 ) -> tuple[Path, str | None]:
@@ -106,46 +128,59 @@ def eval_inputs(
     return data_dir or DEFAULT_DATA_DIR, rm_dir if judge == "rm" else None
 
 
+ModelAOption = Annotated[
+    str, typer.Option("--a", metavar="MODEL", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")
+]
+ModelBOption = Annotated[
+    str, typer.Option("--b", metavar="MODEL", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")
+]
+JudgeOption = Annotated[
+    Optional[str], typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml).")
+]
+JudgeRmOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rm-dir",
+        metavar="MODEL",
+        help="The reward model judging (a train-rm output directory or models:/ URI; default: the judge "
+        "registered with a models:/ model A or B, else artifacts/reward).",
+    ),
+]
+RmIndependentOption = Annotated[
+    bool,
+    typer.Option(
+        "--rm-independent",
+        help="The judging reward model is NOT the one PPO optimised against (for a model A that does not "
+        "record its reward model; e.g. one trained on a disjoint split).",
+    ),
+]
+AllowSameOption = Annotated[
+    bool, typer.Option("--allow-same", help="Evaluate even when A and B are the same model by content (all ties).")
+]
+AgreeWithOption = Annotated[
+    Optional[list[Path]],
+    typer.Option("--agree-with", metavar="FILE", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
+]
+EvalDataDirOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--data-dir",
+        metavar="DIR",
+        help="Prepared data (output of prepare-data; default: the data a models:/ model A or B was trained "
+        "on, else artifacts/data).",
+    ),
+]
+
+
 def eval_command(
-    a: Annotated[str, typer.Option("--a", metavar="MODEL", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")],
-    b: Annotated[str, typer.Option("--b", metavar="MODEL", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")],
-    judge: Annotated[
-        Optional[str], typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml).")
-    ] = None,
-    rm_dir: Annotated[
-        Optional[str],
-        typer.Option(
-            "--rm-dir",
-            metavar="MODEL",
-            help="The reward model judging (a train-rm output directory or models:/ URI; default: the judge "
-            "registered with a models:/ model A or B, else artifacts/reward).",
-        ),
-    ] = None,
-    rm_independent: Annotated[
-        bool,
-        typer.Option(
-            "--rm-independent",
-            help="The judging reward model is NOT the one PPO optimised against (for a model A that does not "
-            "record its reward model; e.g. one trained on a disjoint split).",
-        ),
-    ] = False,
-    allow_same: Annotated[
-        bool,
-        typer.Option("--allow-same", help="Evaluate even when A and B are the same model by content (all ties)."),
-    ] = False,
-    agree_with: Annotated[
-        Optional[list[Path]],
-        typer.Option("--agree-with", metavar="FILE", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
-    ] = None,
-    data_dir: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--data-dir",
-            metavar="DIR",
-            help="Prepared data (output of prepare-data; default: the data a models:/ model A or B was trained "
-            "on, else artifacts/data).",
-        ),
-    ] = None,
+    a: ModelAOption,
+    b: ModelBOption,
+    judge: JudgeOption = None,
+    rm_dir: JudgeRmOption = None,
+    rm_independent: RmIndependentOption = False,
+    allow_same: AllowSameOption = False,
+    agree_with: AgreeWithOption = None,
+    data_dir: EvalDataDirOption = None,
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
@@ -155,18 +190,11 @@ def eval_command(
 
     Exit status 3: refused, A and B are the same model by content (--allow-same evaluates them anyway).
     """
-    from rlhf_core.stages.evaluate import HUMAN_JUDGE_MESSAGE, JUDGES, PLOT_FILE, REPORT_MD, run_evaluate
+    from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_MD, run_evaluate
 
     resolved = resolve_config(params, config, set_)
-    chosen = judge or resolved.evaluation.judge
-    if chosen == "human":
-        raise typer.BadParameter(HUMAN_JUDGE_MESSAGE, param_hint="--judge")
-    if chosen not in JUDGES:
-        raise typer.BadParameter(f"{chosen!r} is not a judge; choose rm or llm", param_hint="--judge")
-    if any(model.startswith(MODELS_URI_PREFIX) for model in (a, b, rm_dir or "")):
-        from tasks.preflight import check_services, tracking_services  # the registry's server must answer
-
-        check_services(tracking_services(resolved.tracking.tracking_uri, Path.cwd()))
+    chosen = chosen_judge(judge, resolved)
+    check_registry_reachable((a, b, rm_dir or ""), resolved)
     data, judge_rm = eval_inputs((a, b), data_dir, rm_dir, chosen, resolved)
     (dir_a, sha256_a), (dir_b, sha256_b) = compared_model(a, resolved), compared_model(b, resolved)
     check_not_same(sha256_a, sha256_b, allow_same)

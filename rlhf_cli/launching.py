@@ -10,6 +10,7 @@ metrics.json as the single-process path returns it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -21,14 +22,18 @@ from rlhf_core.stages.result import StageResult, read_metrics
 from rlhf_core.training.host_allocator import keep_freed_memory
 
 
-def start_training_command(
-    stage: str,
-    params: Path,
-    config: list[Path] | None,
-    overrides: list[str] | None,
-    out: Path | None,
-    restart: bool,
-) -> tuple[Config, Path]:
+@dataclass(frozen=True)
+class TrainingOptions:
+    """The options every training command takes: `--params`, `--config`, `-s`, `--out`, `--restart`."""
+
+    params: Path
+    config: list[Path] | None
+    overrides: list[str] | None
+    out: Path | None
+    restart: bool
+
+
+def start_training_command(stage: str, options: TrainingOptions) -> tuple[Config, Path]:
     """What every training command (`rlhf sft`, `train-rm`, `judge-rm`, `ppo`) does first: resolve the config,
     choose the output directory (`--out`, else the stage's under `artifacts/`) and, with `--restart`, discard
     its checkpoints.
@@ -37,27 +42,30 @@ def start_training_command(
     """
     from rlhf_core.stages.training_run import discard_checkpoints  # inside: `rlhf --help` stays fast
 
-    resolved = resolve_config(params, config, overrides)
-    out_dir = stage_dir(out, stage)
-    if restart:
+    resolved = resolve_config(options.params, options.config, options.overrides)
+    out_dir = stage_dir(options.out, stage)
+    if options.restart:
         discard_checkpoints(out_dir, stage)
     return resolved, out_dir
 
 
-def run_training_stage(
+def run_training_command(
     stage: str,
-    config: Config,
-    out_dir: Path,
-    run_here: Callable[[], StageResult],
+    options: TrainingOptions,
+    run_here: Callable[..., StageResult],
     *,
     data_dir: Path,
     sft_dir: Path | None = None,
     rm_dir: Path | None = None,
 ) -> StageResult:
-    """`run_here()` on one process, else launch `stage` (sft | reward | ppo) on the configured processes."""
+    """A launchable training command (`rlhf sft`, `train-rm`, `ppo`: `stage` sft | reward | ppo):
+    `start_training_command`, then `run_here(config, out_dir=..., <the input directories given>)` on one
+    process, else `stage` launched on the configured processes with the same inputs."""
+    config, out_dir = start_training_command(stage, options)
     if config.distributed.world_size <= 1:
         keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
-        return run_here()
+        inputs = {"data_dir": data_dir, "sft_dir": sft_dir, "rm_dir": rm_dir}
+        return run_here(config, out_dir=out_dir, **{name: path for name, path in inputs.items() if path is not None})
     from rlhf_core.distributed.launcher import launch_stage
 
     launch_stage(stage, config, out_dir, echo_rank_line, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from rlhf_cli.launching import run_training_stage, start_training_command
+from rlhf_cli.launching import TrainingOptions, run_training_command
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -39,16 +39,8 @@ def ppo(
     """PPO-max against the reward model; the output is the validated policy the selection rule chose."""
     from rlhf_core.stages.ppo import guard_message, run_ppo
 
-    resolved, out_dir = start_training_command("ppo", params, config, set_, out, restart)
-    result = run_training_stage(
-        "ppo",
-        resolved,
-        out_dir,
-        lambda: run_ppo(resolved, data_dir, sft_dir, rm_dir, out_dir),
-        data_dir=data_dir,
-        sft_dir=sft_dir,
-        rm_dir=rm_dir,
-    )
+    options = TrainingOptions(params, config, set_, out, restart)
+    result = run_training_command("ppo", options, run_ppo, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
     metrics = result.metrics
     message = guard_message(result.out_dir)
     if message is not None:

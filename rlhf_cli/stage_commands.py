@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from rlhf_cli.launching import run_training_stage, start_training_command
+from rlhf_cli.launching import TrainingOptions, run_training_command, start_training_command
 from rlhf_cli.options import (
     ConfigOption,
     DataDirOption,
@@ -53,10 +53,7 @@ def sft(
     """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
     from rlhf_core.stages.sft import run_sft
 
-    resolved, out_dir = start_training_command("sft", params, config, set_, out, restart)
-    result = run_training_stage(
-        "sft", resolved, out_dir, lambda: run_sft(resolved, data_dir, out_dir), data_dir=data_dir
-    )
+    result = run_training_command("sft", TrainingOptions(params, config, set_, out, restart), run_sft, data_dir=data_dir)
     metrics = result.metrics
     verb = (
         "handed on the base model untrained"
@@ -82,15 +79,8 @@ def train_rm(
     """Train the reward model (ranking loss + beta_rm * LM loss); keep the best by validation accuracy."""
     from rlhf_core.stages.reward import run_train_rm
 
-    resolved, out_dir = start_training_command("reward", params, config, set_, out, restart)
-    result = run_training_stage(
-        "reward",
-        resolved,
-        out_dir,
-        lambda: run_train_rm(resolved, data_dir, sft_dir, out_dir),
-        data_dir=data_dir,
-        sft_dir=sft_dir,
-    )
+    options = TrainingOptions(params, config, set_, out, restart)
+    result = run_training_command("reward", options, run_train_rm, data_dir=data_dir, sft_dir=sft_dir)
     metrics = result.metrics
     typer.echo(
         f"train-rm: trained {int(metrics['steps'])} steps on {int(metrics['train_pairs'])} pairs"
@@ -110,7 +100,7 @@ def judge_rm(
     """Train the independent judge reward model on the PPO-prompt split (from the base model) to judge with."""
     from rlhf_core.stages.judge_reward import run_judge_rm
 
-    resolved, out_dir = start_training_command("judge-reward", params, config, set_, out, restart)
+    resolved, out_dir = start_training_command("judge-reward", TrainingOptions(params, config, set_, out, restart))
     keep_freed_memory()  # this process trains now (rlhf_core/training/host_allocator.py)
     metrics = run_judge_rm(resolved, data_dir, out_dir).metrics
     typer.echo(

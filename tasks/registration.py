@@ -7,6 +7,7 @@ with the same content), and it is cheap next to training. It is retried like the
 
 from __future__ import annotations
 
+from mlflow import MlflowClient
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -70,17 +71,7 @@ def register_task(
             {**tags, STAGE_RUN_TAG: str(reward_output.mlflow_run_id)},
             alias=None,
         )
-        judge_version: RegisteredVersion | None = None
-        if judge_output is not None:
-            judge_version = register(
-                client,
-                tracking.tracking_uri,
-                run_id,
-                judge_model_name(config.tracking.reward_model_name),
-                judge_output,
-                {**tags, STAGE_RUN_TAG: str(judge_output.mlflow_run_id), **training_data_tags(judge_output)},
-                alias=None,
-            )
+        judge_version = register_judge(client, tracking.tracking_uri, run_id, config, judge_output, tags)
         policy_version = register(
             client,
             tracking.tracking_uri,
@@ -97,6 +88,29 @@ def register_task(
         markdown=registration_markdown(registered), key="register-summary", description="Registered models"
     )
     return registered
+
+
+def register_judge(
+    client: MlflowClient,
+    tracking_uri: str,
+    run_id: str,
+    config: Config,
+    judge_output: StageOutput | None,
+    tags: dict[str, str],
+) -> RegisteredVersion | None:
+    """The independent judge reward model's version, with the data it was trained on as tags; None when
+    this run trained no judge."""
+    if judge_output is None:
+        return None
+    return register(
+        client,
+        tracking_uri,
+        run_id,
+        judge_model_name(config.tracking.reward_model_name),
+        judge_output,
+        {**tags, STAGE_RUN_TAG: str(judge_output.mlflow_run_id), **training_data_tags(judge_output)},
+        alias=None,
+    )
 
 
 def registration_markdown(registered: list[RegisteredVersion]) -> str:
