@@ -363,14 +363,11 @@ def _json_value(value: Any) -> Any:
     return value if isinstance(value, (int, float, bool, type(None))) else str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("trl").setLevel(logging.ERROR)
-    settings, our_fingerprint = read_settings(args.settings)
-    torch.set_num_threads(settings["torch_threads"])
-    device = torch.device(settings["device"])
-    tokenizer = load_tokenizer(settings)
+def checked_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any], our_fingerprint: str
+) -> list[list[int]]:
+    """The benchmark prompts' token ids, refused unless they are our run's (same fingerprint) and free of
+    the pad token, which TRL would mask."""
     length = settings["prompt_length"]
     prompts = benchmark_prompts(
         tokenizer, settings["data"], settings["prompt_count"], length, settings["seed"]
@@ -382,6 +379,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     if any(tokenizer.pad_token_id in ids for ids in prompt_ids):
         raise ValueError(f"a prompt contains the pad token {tokenizer.pad_token}, which TRL would mask")
+    return prompt_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    settings, our_fingerprint = read_settings(args.settings)
+    torch.set_num_threads(settings["torch_threads"])
+    device = torch.device(settings["device"])
+    tokenizer = load_tokenizer(settings)
+    length = settings["prompt_length"]
+    prompt_ids = checked_prompt_ids(tokenizer, settings, our_fingerprint)
     models = build_models(settings)
     clock = IterationClock(device, settings["warmup_iterations"], length, settings["response_length"])
     clock.install()

@@ -361,6 +361,28 @@ def judge_agreement(
     )
 
 
+def category_outcomes(pairs: Sequence[JudgedPair], seed: int, resamples: int) -> dict[str, OutcomeSummary]:
+    """The outcomes of each prompt category, when the prompts have more than one (else none)."""
+    categories = sorted({pair.category for pair in pairs})
+    if len(categories) <= 1:
+        return {}
+    return {
+        category: summarise_outcomes([p.verdict for p in pairs if p.category == category], seed, resamples)
+        for category in categories
+    }
+
+
+def length_summary(pairs: Sequence[JudgedPair], seed: int, resamples: int) -> LengthSummary:
+    """The replies' mean lengths, and the outcomes on the pairs of similar length."""
+    similar = [pair.verdict for pair in pairs if is_similar_length(pair.tokens_a, pair.tokens_b)]
+    return LengthSummary(
+        mean_tokens_a=sum(pair.tokens_a for pair in pairs) / len(pairs),
+        mean_tokens_b=sum(pair.tokens_b for pair in pairs) / len(pairs),
+        similar_length_ratio=SIMILAR_LENGTH_RATIO,
+        similar_length=summarise_outcomes(similar, seed, resamples),
+    )
+
+
 def build_report(
     pairs: Sequence[JudgedPair],
     judge: JudgeInfo,
@@ -380,16 +402,6 @@ def build_report(
     if not pairs:
         raise ValueError("build_report: no judged pairs")
     verdicts = [pair.verdict for pair in pairs]
-    categories = sorted({pair.category for pair in pairs})
-    by_category = (
-        {
-            category: summarise_outcomes([p.verdict for p in pairs if p.category == category], seed, resamples)
-            for category in categories
-        }
-        if len(categories) > 1
-        else {}
-    )
-    similar = [pair.verdict for pair in pairs if is_similar_length(pair.tokens_a, pair.tokens_b)]
     by_key = {pair.pair_key: pair.verdict for pair in pairs}
     return EvaluationReport(
         model_a=model_a,
@@ -405,13 +417,8 @@ def build_report(
         prompts=len(pairs),
         generation=generation,
         overall=summarise_outcomes(verdicts, seed, resamples),
-        by_category=by_category,
-        length=LengthSummary(
-            mean_tokens_a=sum(pair.tokens_a for pair in pairs) / len(pairs),
-            mean_tokens_b=sum(pair.tokens_b for pair in pairs) / len(pairs),
-            similar_length_ratio=SIMILAR_LENGTH_RATIO,
-            similar_length=summarise_outcomes(similar, seed, resamples),
-        ),
+        by_category=category_outcomes(pairs, seed, resamples),
+        length=length_summary(pairs, seed, resamples),
         agreement=[
             judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
         ],

@@ -227,6 +227,22 @@ def _finish_iteration(
     metrics["progress"] = step / trainer.total_steps
 
 
+def _start(
+    trainer: PPOTrainer, root: Path, logger: MetricsLogger, samples: SampleTable | None
+) -> TrainingState:
+    """Seed, resume from the newest checkpoint under `root` (the logs rewound to it) and, on a fresh run,
+    validate the initial policy at step 0; returns the state resumed."""
+    # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
+    seed_everything(trainer.seed + trainer.context.rank)
+    state = trainer.resume(root)
+    _rewind(logger, samples, state.step if state.step > 0 else -1)
+    if state.step == 0:
+        validation, rewards = trainer.validator.validate()
+        trainer.validator.record(0, validation, rewards, root)
+        logger.log_metrics({**validation, "progress": 0.0}, 0)
+    return state
+
+
 def fit(
     trainer: PPOTrainer,
     checkpoint_dir: str | Path,
@@ -244,15 +260,8 @@ def fit(
     """
     root = Path(checkpoint_dir)
     logger = logger if logger is not None else NullLogger()
-    # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
-    seed_everything(trainer.seed + trainer.context.rank)
-    state = trainer.resume(root)
-    _rewind(logger, samples, state.step if state.step > 0 else -1)
+    state = _start(trainer, root, logger, samples)
     metrics = dict(state.metrics)
-    if state.step == 0:
-        validation, rewards = trainer.validator.validate()
-        trainer.validator.record(0, validation, rewards, root)
-        logger.log_metrics({**validation, "progress": 0.0}, 0)
     stop = None
     step = final_step = state.step
     show_progress = progress_bar and bars_enabled()  # a terminal, not RLHF_QUIET (rlhf_core/progress.py)

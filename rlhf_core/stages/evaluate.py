@@ -315,6 +315,17 @@ def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None
     plot_win_tie_lose(report, out_dir / PLOT_FILE)
 
 
+def evaluation_params(config: Config, judge: JudgeKind, model_a: Path, model_b: Path) -> dict[str, object]:
+    """What an evaluation logs as its parameters: the evaluation settings, the judge, the models, the seed."""
+    return {
+        "evaluation": config.evaluation.model_dump(mode="json"),
+        "judge": judge,
+        "model_a": str(model_a),
+        "model_b": str(model_b),
+        "seed": config.seed,
+    }
+
+
 def run_evaluate(
     config: Config,
     data_dir: Path,
@@ -348,15 +359,7 @@ def run_evaluate(
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
-        logger.log_params(
-            {
-                "evaluation": config.evaluation.model_dump(mode="json"),
-                "judge": judge,
-                "model_a": str(model_a),
-                "model_b": str(model_b),
-                "seed": config.seed,
-            }
-        )
+        logger.log_params(evaluation_params(config, judge, model_a, model_b))
         logger.log_metrics({"progress": 0.0}, step=0)
         generated, tax = generate_pairs(config, checked, out_dir, device, logger)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR

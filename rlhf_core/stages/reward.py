@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,12 +63,12 @@ from rlhf_core.reward.length_debias import (
     new_length_head,
     odin_penalty,
 )
-from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES, length_skill
+from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
-from rlhf_core.reward.metrics import pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
-from rlhf_core.reward.scoring import PairScores, pair_outputs, score_pair_batches
+from rlhf_core.reward.scoring import pair_outputs, score_pair_batches
 from rlhf_core.reward.training_data import TrainSplit, training_data_record, write_training_data
+from rlhf_core.reward.validation_metrics import validation_metrics
 from rlhf_core.reward.validation_table import validation_pair_rows, write_validation_pairs
 from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
@@ -88,7 +89,7 @@ from rlhf_core.stages.training_run import (
 )
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
 from rlhf_core.training.logger import MetricsLogger
-from rlhf_core.training.loop import total_steps, train
+from rlhf_core.training.loop import TrainResult, total_steps, train
 
 MARGIN_PLOT = Path(PLOTS_DIR) / "reward_margin_hist.png"
 Metrics = dict[str, float]
@@ -165,37 +166,6 @@ def validation_batches(pairs: EncodedPairs, batch_size: int, seed: int, pad_id: 
 def scored_reply_tokens(pairs: EncodedPairs, batches: list[PairBatch]) -> tuple[np.ndarray, np.ndarray]:
     """The chosen and rejected reply lengths ([P] each) of the pairs of `batches`, in the order they are scored."""
     return pair_reply_tokens([pairs.pairs[position] for batch in batches for position in batch.indices])
-
-
-def validation_metrics(
-    scores: PairScores,
-    beta_rm: float,
-    reply_tokens: tuple[np.ndarray, np.ndarray],
-    resamples: int = 0,
-    seed: int = 0,
-) -> Metrics:
-    """Accuracy with its Wilson interval, mean margin, the eq. (2) loss terms, and the skill beyond length
-    (`reply_tokens`: both replies' lengths of the scored pairs) on validation pairs.
-
-    `resamples` = 0 (the periodic validations during training) leaves out the bootstrap interval of the
-    AUC gain, the one figure that costs more than the scoring's bookkeeping.
-    """
-    accuracy = pair_accuracy(scores.margins)
-    skill = length_skill(scores.chosen, scores.rejected, *reply_tokens, resamples=resamples, seed=seed)
-    ranking = ranking_loss_sum(torch.from_numpy(scores.chosen), torch.from_numpy(scores.rejected)).item()
-    ranking /= accuracy.pairs
-    lm_loss = scores.lm_nll_sum / scores.lm_tokens if scores.lm_tokens else 0.0
-    return {
-        "val/accuracy": accuracy.accuracy,
-        "val/accuracy_low": accuracy.low,
-        "val/accuracy_high": accuracy.high,
-        "val/margin_mean": accuracy.mean_margin,
-        "val/pairs": float(accuracy.pairs),
-        "val/ranking_loss": ranking,
-        "val/lm_loss": lm_loss,
-        "val/loss": ranking + beta_rm * lm_loss,
-        **skill.figures("val/"),
-    }
 
 
 def count_pairs_and_tokens(batch: PairBatch) -> dict[str, int]:
@@ -339,6 +309,63 @@ def fit_length_residual(
     return model.length_slope
 
 
+@dataclass(frozen=True)
+class RewardRun:
+    """A reward-model run with its inputs loaded and checked and its output directory claimed: the model
+    to train and its tokenizer, the encoded pairs, the frozen-layer caches and the run's state."""
+
+    model: RewardModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    train_pairs: EncodedPairs
+    val_records: list[PreferencePair]
+    val_pairs: EncodedPairs
+    val_batches: list[PairBatch]
+    train_cache: FrozenLowerCache | None
+    val_cache: FrozenLowerCache | None
+    run_state: RunState
+
+    def collate(self, indices: list[int]) -> PairBatch:
+        """The training pairs at `indices` as one batch, on the run's device."""
+        pairs = [self.train_pairs.pairs[i] for i in indices]
+        return collate_pairs(pairs, indices, self.tokenizer.pad_token_id).to(self.device)
+
+
+def prepare_reward_run(
+    config: Config, data_dir: Path, sft_dir: Path | None, out_dir: Path, train_split: TrainSplit, is_main: bool
+) -> RewardRun:
+    """Load the data (first: a wrong path fails before any model loads), the initial model and the encoded
+    pairs, then claim `out_dir` (`begin_writing`) for a run of these inputs."""
+    settings = config.reward
+    train_records, val_records = load_split(data_dir, train_split), load_split(data_dir, "rm_val")
+    device = training_device()
+    model, tokenizer, init_hashes = initial_reward_model(config, sft_dir, device)
+    train_pairs, val_pairs = encode_reward_pairs(
+        tokenizer, train_records, val_records, settings, data_dir, train_split, config.seed
+    )
+    train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
+    val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, tokenizer.pad_token_id)
+    inputs = RunInputs(
+        {**stage_settings(config, "reward"), "train_split": train_split},
+        {"data": file_sha256(data_dir / DATA_REPORT_FILE), **init_hashes},
+    )
+    run_state = begin_writing(out_dir, inputs, is_main)
+    return RewardRun(
+        model, tokenizer, device, train_pairs, val_records, val_pairs, val_batches, train_cache, val_cache, run_state
+    )
+
+
+def training_figures(result: TrainResult, run: RewardRun) -> Metrics:
+    """metrics.json's figures of the training itself: steps, resumption, last loss, pairs used and dropped."""
+    return {
+        "steps": float(result.final_step),
+        "resumed_from": float(result.resumed_from),
+        "train_loss": result.metrics["loss"],
+        "train_pairs": float(len(run.train_pairs.pairs)),
+        "pairs_dropped_too_long": float(len(run.train_pairs.too_long) + len(run.val_pairs.too_long)),
+    }
+
+
 def _run_train_rm(
     config: Config,
     data_dir: Path,
@@ -350,75 +377,50 @@ def _run_train_rm(
     started = time.monotonic()
     settings = config.reward
     context = stage_context(config.distributed)
-    # Read the data first: a wrong path fails before any model loads.
-    train_records, val_records = load_split(data_dir, train_split), load_split(data_dir, "rm_val")
-    device = training_device()
-    model, tokenizer, init_hashes = initial_reward_model(config, sft_dir, device)
-    pad_id = tokenizer.pad_token_id
-    train_pairs, val_pairs = encode_reward_pairs(
-        tokenizer, train_records, val_records, settings, data_dir, train_split, config.seed
-    )
-    train_cache, val_cache = frozen_layer_cache(model, settings), frozen_layer_cache(model, settings)
-    val_batches = validation_batches(val_pairs, settings.micro_batch_size, config.seed, pad_id)
+    run = prepare_reward_run(config, data_dir, sft_dir, out_dir, train_split, context.is_main)
     model_dir = out_dir / MODEL_DIR
-    inputs = RunInputs(
-        {**stage_settings(config, "reward"), "train_split": train_split},
-        {"data": file_sha256(data_dir / DATA_REPORT_FILE), **init_hashes},
-    )
-    run_state = begin_writing(out_dir, inputs, context.is_main)
-
-    def collate(indices: list[int]) -> PairBatch:
-        return collate_pairs([train_pairs.pairs[i] for i in indices], indices, pad_id).to(device)
 
     def evaluate(model: nn.Module, max_batches: int | None) -> Metrics:
-        batches = val_batches[:max_batches]
-        scores = score_pair_batches(model, batches, val_cache, settings.beta_rm > 0)
-        return validation_metrics(scores, settings.beta_rm, scored_reply_tokens(val_pairs, batches))
+        batches = run.val_batches[:max_batches]
+        scores = score_pair_batches(model, batches, run.val_cache, settings.beta_rm > 0)
+        return validation_metrics(scores, settings.beta_rm, scored_reply_tokens(run.val_pairs, batches))
 
     def save_best(model: nn.Module, step: int, metrics: Metrics) -> None:
-        model.save_pretrained(model_dir, tokenizer)
-        run_state.values["best_step"] = float(step)
+        model.save_pretrained(model_dir, run.tokenizer)
+        run.run_state.values["best_step"] = float(step)
 
-    plan = pair_batch_plan(train_pairs, settings, config.seed, context.world_size)
+    plan = pair_batch_plan(run.train_pairs, settings, config.seed, context.world_size)
     loop = loop_config(settings, config, "warmup_constant")
     with loop_logger(out_dir, logger, total_steps(loop, plan), context.is_main) as logger_for_loop:
         logger_for_loop.log_params(
             {"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir), "train_split": train_split}
         )
         result = train(
-            model,
+            run.model,
             plan,
-            collate,
+            run.collate,
             count_pairs_and_tokens,
-            reward_loss_fn(train_cache, settings),
+            reward_loss_fn(run.train_cache, settings),
             loop,
             evaluate=evaluate,
             select_best=("val/accuracy", "max"),
             on_best=save_best,
-            checkpoint_dir=run_state.checkpoint_dir,
+            checkpoint_dir=run.run_state.checkpoint_dir,
             logger=logger_for_loop,
-            extra_state=run_state,
+            extra_state=run.run_state,
             distributed=config.distributed,
         )
     if not context.is_main:  # rank 0 saved the best model and writes the stage's figures
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
     if settings.length_debias == "length_residual":
-        run_state.values["length_slope"] = fit_length_residual(config, model_dir, tokenizer, train_pairs, train_cache)
-
+        slope = fit_length_residual(config, model_dir, run.tokenizer, run.train_pairs, run.train_cache)
+        run.run_state.values["length_slope"] = slope
     metrics = {
-        **final_metrics(config, model_dir, val_batches, val_cache, out_dir, val_records, val_pairs),
-        **run_state.values,
-        "steps": float(result.final_step),
-        "resumed_from": float(result.resumed_from),
-        "train_loss": result.metrics["loss"],
-        "train_pairs": float(len(train_pairs.pairs)),
-        "pairs_dropped_too_long": float(len(train_pairs.too_long) + len(val_pairs.too_long)),
+        **final_metrics(config, model_dir, run.val_batches, run.val_cache, out_dir, run.val_records, run.val_pairs),
+        **run.run_state.values,
+        **training_figures(result, run),
         "wall_seconds": time.monotonic() - started,
     }
     write_training_data(out_dir, training_data_record(data_dir, train_split, settings.init_from))
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=model_dir)
-
-
-# --------------------------------------------------------------------------------------------------
-# score-pairs

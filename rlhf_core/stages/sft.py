@@ -182,6 +182,38 @@ def _run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogge
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
 
 
+def _make_trainable(model: PreTrainedModel, config: Config, context: RankContext) -> None:
+    """Unfreeze what `sft` trains (top layers or LoRA), with the memory savings it asks for."""
+    settings = config.sft
+    make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed)
+    if not context.is_distributed:  # DeepSpeed takes each gradient from autograd itself
+        accumulate_vocabulary_gradients_in_place(model)
+    if settings.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+
+
+def _measure_base_model(
+    model: PreTrainedModel, evaluate: Callable[[nn.Module, int | None], Metrics], run_state: RunState, bf16: bool
+) -> None:
+    """The base model's held-out figures into `run_state`; a resumed run restores them from its checkpoint
+    instead."""
+    if latest_checkpoint(run_state.checkpoint_dir) is None:
+        before = run_evaluation(model, evaluate, None, bf16)
+        run_state.values.update({"nll_before": before["val/nll"], "perplexity_before": before["val/perplexity"]})
+
+
+def _save_model_and_curves(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, run_state: RunState, context: RankContext
+) -> None:
+    """model/ (gathered from every rank under ZeRO-3, written by rank 0) and the training curves."""
+    with gathered_parameters(model):
+        if context.is_main:
+            _save_model(model, tokenizer, out_dir)
+    if context.is_main:
+        before = run_state.values.get("perplexity_before")
+        plot_sft_curves(read_history(out_dir / HISTORY_FILE), before, out_dir / CURVES_FILE)
+
+
 def _train(
     config: Config,
     model: PreTrainedModel,
@@ -195,11 +227,7 @@ def _train(
 ) -> Metrics:
     """Measure the base model, train with the shared loop, save model/, and return the stage's figures."""
     settings = config.sft
-    make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed)
-    if not context.is_distributed:  # DeepSpeed takes each gradient from autograd itself
-        accumulate_vocabulary_gradients_in_place(model)
-    if settings.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    _make_trainable(model, config, context)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     # The plan is the global batch: grad_accum_steps micro-batches per rank, every rank its shard.
@@ -210,12 +238,7 @@ def _train(
         settings.grad_accum_steps * context.world_size,
     )
     loop = loop_config(settings, config, "warmup_cosine", settings.min_lr_ratio)
-    # The base model's figures; a resumed run restores them from its checkpoint instead.
-    if latest_checkpoint(run_state.checkpoint_dir) is None:
-        before = run_evaluation(model, evaluate, None, loop.bf16)
-        run_state.values.update(
-            {"nll_before": before["val/nll"], "perplexity_before": before["val/perplexity"]}
-        )
+    _measure_base_model(model, evaluate, run_state, loop.bf16)
 
     def collate(indices: list[int]) -> SequenceBatch:
         return collate_sequences([train_set.encoded[i] for i in indices], pad_id).to(device)
@@ -240,12 +263,7 @@ def _train(
     finally:
         if history is not None:
             history.close()
-    with gathered_parameters(model):
-        if context.is_main:
-            _save_model(model, tokenizer, out_dir)
-    if context.is_main:
-        before = run_state.values.get("perplexity_before")
-        plot_sft_curves(read_history(out_dir / HISTORY_FILE), before, out_dir / CURVES_FILE)
+    _save_model_and_curves(model, tokenizer, out_dir, run_state, context)
     return {
         "skipped": 0.0,
         "steps": float(result.final_step),

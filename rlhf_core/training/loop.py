@@ -270,6 +270,32 @@ def _checkpoint(
     update.save(root, replace(state, extra=extra), config.keep_checkpoints)
 
 
+def _resume_logged(
+    checkpoint_root: Path | None,
+    update: ModelUpdate,
+    extra_state: SupportsStateDict | None,
+    total: int,
+    logger: MetricsLogger,
+    config: LoopConfig,
+) -> TrainingState:
+    """Resume from the newest checkpoint (step 0 without one), rewind the logger's history to it and log
+    the loop's settings."""
+    state = resume(checkpoint_root, update, extra_state, total)
+    if isinstance(logger, RewindableLogger):
+        logger.truncate_after(state.step)
+    logger.log_params({"loop": config.model_dump(mode="json"), "total_steps": total})
+    return state
+
+
+def _rank_micro_batches(
+    plan: BatchPlan, step: int, collate: Callable[[list[int]], Batch], context: RankContext
+) -> list[Batch]:
+    """This rank's share of optimizer step `step`'s micro-batches (1-based steps), collated."""
+    rank_indices = shard(plan.step(step - 1), context)
+    log.debug("rank %d of %d, step %d: examples %s", context.rank, context.world_size, step, rank_indices)
+    return [collate(indices) for indices in rank_indices]
+
+
 def train(
     model: nn.Module,
     plan: BatchPlan,
@@ -307,20 +333,13 @@ def train(
     total = total_steps(config, plan)
     seed_everything(config.seed)
     update = build_update(model, config, plan, total, distributed, context)
-    state = resume(checkpoint_root, update, extra_state, total)
+    state = _resume_logged(checkpoint_root, update, extra_state, total, logger, config)
     resumed_from = state.step
-    if isinstance(logger, RewindableLogger):
-        logger.truncate_after(resumed_from)
-    logger.log_params({"loop": config.model_dump(mode="json"), "total_steps": total})
     update.model.train()
     show_progress = config.progress_bar and context.is_main and bars_enabled()  # a terminal, not RLHF_QUIET
     with tqdm(total=total, initial=resumed_from, disable=not show_progress, desc="train") as progress:
         for step in range(resumed_from + 1, total + 1):
-            rank_indices = shard(plan.step(step - 1), context)
-            log.debug(
-                "rank %d of %d, step %d: examples %s", context.rank, context.world_size, step, rank_indices
-            )
-            micro_batches = [collate(indices) for indices in rank_indices]
+            micro_batches = _rank_micro_batches(plan, step, collate, context)
             metrics = optimizer_step(update, micro_batches, count_units, loss_fn, step, config)
             metrics["epoch"] = step / plan.steps_per_epoch
             validation = _evaluate_step(update.model, step, total, config, evaluate)
