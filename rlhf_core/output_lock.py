@@ -6,7 +6,9 @@ task, `dvc repro` beside either) interleave their files, so `model/` comes from 
 train-rm, judge-rm, ppo, eval and score-pairs with an output directory (rlhf_core/stages; the CLI, the
 Prefect tasks and `dvc repro` all call them, and a launched stage's rank 0 does) therefore hold this
 lock from before they look at their output until its metrics.json is written; a second writer fails at
-once with `OutputLockedError`, naming the holder's pid, host and start time.
+once with `OutputLockedError`, naming the holder's pid, host and start time. A stage that fails
+because the output's file system is full or read-only fails with `OutputWriteError`, naming the output
+(rlhf_core/write_failures.py).
 
 How: `flock` on a sibling file, `.<name>.lock` next to the output directory. A sibling, because
 prepare-data replaces its whole directory with a rename, and a file inside would enter the output's
@@ -29,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from rlhf_core.write_failures import naming_failed_writes
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +70,19 @@ def output_lock(out_dir: Path, stage: str) -> Iterator[LockHolder]:
     other second writer.
     """
     path = lock_path(Path(out_dir))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = _acquire(path, Path(out_dir))
     holder = LockHolder(
         pid=os.getpid(),
         host=socket.gethostname(),
         started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         stage=stage,
     )
-    _write_holder(descriptor, holder)
+    with naming_failed_writes(out_dir):  # a full or read-only file system: one error naming the output
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = _acquire(path, Path(out_dir))
     try:
-        yield holder
+        with naming_failed_writes(out_dir):  # the whole stage's writes: checkpoints, logs, outputs
+            _write_holder(descriptor, holder)
+            yield holder
     finally:
         # Removed while still locked: a process that opened the old file meanwhile notices that the
         # path no longer names it (`_acquire`) and locks the new one, so no two writers ever hold it.

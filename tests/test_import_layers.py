@@ -42,12 +42,13 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "models": {"config", "atomic", "progress"},
     "distributed": {"config", "atomic"},
     "config": set(),
-    "atomic": set(),
+    "atomic": {"write_failures"},
     "c_library": set(),
     "layout": set(),
-    "output_lock": set(),
+    "output_lock": {"write_failures"},
     "progress": set(),
     "statistics": set(),
+    "write_failures": set(),
 }  # fmt: skip
 
 
