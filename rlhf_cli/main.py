@@ -4,8 +4,9 @@ Every command that reads the configuration takes `--config FILE` (an overlay on 
 repeatable), `-s key.path=value` (repeatable) and `--params FILE`, and resolves and validates the whole
 configuration before doing any work; stage commands write under `artifacts/<stage>/` unless `--out DIR`
 says otherwise (README.md, "Configuration", lists each command's options; tests/test_cli_help.py keeps
-that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr; a traceback is
-shown only with `RLHF_DEBUG=1`. Other libraries' warnings go to a log file that the command names
+that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr (a full or
+read-only file system: "cannot write <path>: no space left on device"); a traceback is shown only with
+`RLHF_DEBUG=1`. Other libraries' warnings go to a log file that the command names
 after its summary, and their progress bars are off when stderr is not a terminal or RLHF_QUIET is set
 (rlhf_cli/library_logs.py: `with_library_log` for the stage commands, `rlhf run` and `rlhf ablate`
 through rlhf_cli/in_process.py).
@@ -13,6 +14,7 @@ through rlhf_cli/in_process.py).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -29,6 +31,9 @@ from rlhf_cli.library_logs import with_library_log
 from rlhf_cli.promote_command import promote
 from rlhf_cli.options import HELP_FORMAT, ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
+from rlhf_core.write_failures import OutputWriteError
+
+WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a refused read says EACCES, never these
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -91,7 +96,15 @@ def main() -> None:
     except Exception as err:  # noqa: BLE001 - the CLI's last line of defence
         if os.environ.get("RLHF_DEBUG"):
             raise
-        message = " ".join(str(err).split()) or type(err).__name__
+        message = " ".join(error_line(err).split()) or type(err).__name__
         print(f"rlhf: error: {message}", file=sys.stderr)
         raise SystemExit(1 if not isinstance(err, ConfigError) else 2) from None
 
+
+def error_line(err: Exception) -> str:
+    """What the one error line says: a write a full or read-only file system refused, outside any stage's
+    output (a log file, a cache), as "cannot write <path>: <reason>", like a stage's
+    (rlhf_core/write_failures.py); anything else as the error says."""
+    if isinstance(err, OSError) and err.errno in WRITE_ONLY_ERRNOS and err.filename:
+        return str(OutputWriteError(err.filename, err.errno))
+    return str(err)

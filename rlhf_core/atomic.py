@@ -6,6 +6,9 @@ half way through must never leave one behind, and must never damage the previous
 A process killed mid-write cannot clean up after itself, so its temporary siblings carry its host and
 pid in their names (`.<name>.tmp-<host>-<pid>-<random>`, `.<name>.old-...`), and the next atomic write of
 the same directory or file removes those whose process no longer runs (`remove_stale_temporaries`).
+
+A write that fails because the file system is full or read-only raises `OutputWriteError` naming the
+output (rlhf_core/write_failures.py), checked before the cleanup frees the space the write took.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from rlhf_core.write_failures import naming_failed_writes
 
 TEMPORARY = "tmp"  # the new output being written
 ASIDE = "old"  # the previous output, renamed aside during the swap
@@ -33,13 +38,15 @@ def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
     put back.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)
-    temp_dir = Path(tempfile.mkdtemp(prefix=_sibling_prefix(out_dir, TEMPORARY), dir=out_dir.parent))
-    temp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary, shareable directory
+    with naming_failed_writes(out_dir):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out_dir)
+        temp_dir = Path(tempfile.mkdtemp(prefix=_sibling_prefix(out_dir, TEMPORARY), dir=out_dir.parent))
+        temp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary, shareable directory
     try:
-        yield temp_dir
-        _swap_into_place(temp_dir, out_dir)
+        with naming_failed_writes(out_dir):  # inside the cleanup, which frees what a failed write took
+            yield temp_dir
+            _swap_into_place(temp_dir, out_dir)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # already gone after a successful swap
 
@@ -118,15 +125,17 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     atomic write of `path`.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    descriptor, name = tempfile.mkstemp(prefix=_sibling_prefix(path, TEMPORARY), dir=path.parent)
-    os.fchmod(descriptor, 0o644)  # mkstemp makes it owner-only; the result is an ordinary, shareable file
-    os.close(descriptor)
+    with naming_failed_writes(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path)
+        descriptor, name = tempfile.mkstemp(prefix=_sibling_prefix(path, TEMPORARY), dir=path.parent)
+        os.fchmod(descriptor, 0o644)  # mkstemp makes it owner-only; the result is an ordinary, shareable file
+        os.close(descriptor)
     temporary = Path(name)
     try:
-        yield temporary
-        os.replace(temporary, path)
+        with naming_failed_writes(path):
+            yield temporary
+            os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)  # already renamed away on success
 

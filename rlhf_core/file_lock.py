@@ -101,8 +101,13 @@ def acquire_lock(path: Path, stage: str, wait: bool = False) -> HeldLock:
         started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         stage=stage,
     )
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, json.dumps(asdict(holder)).encode(), 0)
+    try:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, json.dumps(asdict(holder)).encode(), 0)
+    except BaseException:  # a full or read-only file system: leave no descriptor or lock file behind
+        path.unlink(missing_ok=True)
+        os.close(descriptor)
+        raise
     return HeldLock(path, descriptor, holder, previous)
 
 

@@ -6,7 +6,9 @@ task, `dvc repro` beside either) interleave their files, so `model/` comes from 
 train-rm, judge-rm, ppo, eval and score-pairs with an output directory (rlhf_core/stages; the CLI, the
 Prefect tasks and `dvc repro` all call them, and a launched stage's rank 0 does) therefore hold this
 lock from before they look at their output until its metrics.json is written; a second writer fails at
-once with `OutputLockedError`, naming the holder's pid, host and start time.
+once with `OutputLockedError`, naming the holder's pid, host and start time. A stage that fails
+because the output's file system is full or read-only fails with `OutputWriteError`, naming the output
+(rlhf_core/write_failures.py).
 
 How: the file lock of rlhf_core/file_lock.py on a sibling file, `.<name>.lock` next to the output
 directory. A sibling, because prepare-data replaces its whole directory with a rename, and a file inside
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_core.file_lock import LockHolder, LockTakenError, acquire_lock
+from rlhf_core.write_failures import naming_failed_writes
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,8 @@ def output_lock(out_dir: Path, stage: str) -> Iterator[LockHolder]:
     """
     path = lock_path(Path(out_dir))
     try:
-        lock = acquire_lock(path, stage)
+        with naming_failed_writes(out_dir):  # a full or read-only file system: one error naming the output
+            lock = acquire_lock(path, stage)
     except LockTakenError as taken:
         raise OutputLockedError(_locked_message(Path(out_dir), path, taken.holder)) from None
     if lock.previous is not None:
@@ -54,7 +58,7 @@ def output_lock(out_dir: Path, stage: str) -> Iterator[LockHolder]:
             out_dir,
             lock.previous.describe(),
         )
-    with lock:
+    with lock, naming_failed_writes(out_dir):  # the whole stage's writes: checkpoints, logs, outputs
         yield lock.holder
 
 

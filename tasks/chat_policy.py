@@ -16,9 +16,13 @@ completion object (not a list holding one):
 - `finish_reason` is "length" when the reply was cut at `max_tokens` before its end-of-turn token,
   "stop" when it ended there.
 - The reply is sampled exactly as evaluation samples (rlhf_core/evaluation/generation.py: the model's
-  chat template, stopping at the end-of-turn token), with the request's `max_tokens` (default 256),
-  `temperature` (0: greedy), `top_p` and `seed`; other fields are ignored (`stream` too: the answer is
-  one object).
+  chat template, stopping at the end-of-turn token), with the request's `max_tokens` (default 256, or
+  what the context leaves if less), `temperature` (0: greedy), `top_p` and `seed`; other fields are
+  ignored (`stream` too: the answer is one object).
+- A malformed request, or one that does not fit the model's context, is refused before any generation
+  with an error naming the field and its bound, which the scoring server answers with 400
+  (tasks/chat_request.py lists the checks). Requests are generated one at a time (the scoring server
+  runs each in a thread), so memory holds one request's KV cache, at most the model's context long.
 
 The policy is logged as "models from code" (tasks/chat_policy_code.py names this class), not as a
 pickle: the stored model is the Hugging Face directory plus that one readable file. Loading it needs
@@ -29,45 +33,24 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import mlflow.pyfunc
-from pydantic import BaseModel, ConfigDict, Field
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.generation import Reply, generate_replies
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.loading import load_causal_lm
+from tasks.chat_request import ChatRequest, check_length, parse_request, reply_budget
 from tasks.registry import MODEL_NAME_CONFIG, POLICY_ARTIFACT, REGISTERED_FILE
 
-DEFAULT_MAX_TOKENS = 256
 GREEDY_TEMPERATURE = 1e-6  # temperature 0 (greedy): softmax(logits / 1e-6) puts all mass on the argmax
 SEED_RANGE = 2**31
-
-
-class ChatMessage(BaseModel):
-    """One message of the conversation."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(BaseModel):
-    """The OpenAI chat-completions fields the policy honours; other fields (`model`, `stream`: false, ...)
-    are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
 
 
 def served_model_name(model_root: Path, model_config: dict[str, Any]) -> str:
@@ -102,30 +85,40 @@ def completion(model_name: str, reply: Reply, prompt_tokens: int) -> dict[str, A
 
 
 class ChatPolicy(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper of a saved policy: one chat completion per request (CPU serving, one at a time)."""
+    """pyfunc wrapper of a saved policy: one chat completion per request, one generation at a time."""
 
     def load_context(self, context: Any) -> None:
         directory = Path(context.artifacts[POLICY_ARTIFACT])
         self.model, self.tokenizer = load_causal_lm(directory)
+        self.context_tokens = int(self.model.config.max_position_embeddings)
         # The artifact is <model root>/artifacts/policy; registration wrote the identity into the root.
         self.model_name = served_model_name(directory.parents[1], context.model_config or {})
+        # The scoring server runs each request in a thread of its own: one generation at a time keeps
+        # memory at one KV cache, and the seeded random state of one request apart from another's.
+        self.generating = threading.Lock()
 
     # `model_input` has no type hint on purpose: MLflow would build an input schema from one, and it
     # accepts only list[...] hints, while the serving endpoint hands over one request as a dict.
     def predict(self, context: Any, model_input, params: dict[str, Any] | None = None) -> Any:
-        """A completion for a request (a dict), a list of completions for a list of requests."""
+        """A completion for a request (a dict), a list of completions for a list of requests; a request
+        that is malformed or does not fit the model is refused first (tasks/chat_request.py)."""
         if isinstance(model_input, list):
-            return [self.complete(ChatRequest.model_validate(item)) for item in model_input]
-        return self.complete(ChatRequest.model_validate({**dict(model_input), **(params or {})}))
+            return [self.complete(parse_request(item)) for item in model_input]
+        if not isinstance(model_input, Mapping):
+            return self.complete(parse_request(model_input))  # refused, naming what came instead
+        return self.complete(parse_request({**model_input, **(params or {})}))
 
     def complete(self, request: ChatRequest) -> dict[str, Any]:
-        """Sample one reply to `request.messages`."""
+        """Sample one reply to `request.messages`, at most as long as the context leaves room for."""
+        check_length(request, self.context_tokens)
         messages = [message.model_dump() for message in request.messages]
+        prompt_tokens = len(encode_prompt(self.tokenizer, messages))
         settings = GenerationConfig(
-            max_new_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+            max_new_tokens=reply_budget(request, prompt_tokens, self.context_tokens),
             temperature=request.temperature or GREEDY_TEMPERATURE,
             top_p=request.top_p,
         )
         seed = request.seed if request.seed is not None else secrets.randbelow(SEED_RANGE)
-        (reply,) = generate_replies(self.model, self.tokenizer, [messages], settings, batch_size=1, seed=seed)
-        return completion(self.model_name, reply, len(encode_prompt(self.tokenizer, messages)))
+        with self.generating:
+            (reply,) = generate_replies(self.model, self.tokenizer, [messages], settings, batch_size=1, seed=seed)
+        return completion(self.model_name, reply, prompt_tokens)

@@ -9,6 +9,9 @@ and retrying them only delays the report:
 - checkpoints made with other settings (ResumeMismatchError): resuming is refused every time;
 - an output directory another live process is writing (OutputLockedError): the second writer must stop
   at once, not wait for the first to finish and then write over its output;
+- an output whose file system is full, read-only or not ours to write (OutputWriteError,
+  rlhf_core/write_failures.py): nothing frees it in the seconds before a retry, which would only fill
+  it again; the run stops with the one line naming the path, and a rerun once there is room resumes;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
 A stage launched over several processes fails with RankFailedError, which names the error type of the
@@ -31,6 +34,7 @@ from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.loop import NonFiniteLossError
+from rlhf_core.write_failures import OutputWriteError
 
 NOT_RETRIED: tuple[type[BaseException], ...] = (
     ConfigError,
@@ -39,6 +43,7 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (
     DataSourceError,
     ResumeMismatchError,
     OutputLockedError,
+    OutputWriteError,
     NonFiniteLossError,
     CollapseError,
 )

@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures.commands import run_main
 from fixtures.paths import PARAMS, ROOT
 from fixtures.tiny_ppo import write_stage_inputs
 
@@ -56,16 +56,6 @@ def test_given_inputs_must_be_complete_stage_outputs(stage_inputs: Path, tmp_pat
         BaseReference(**complete | {"reward": str(tmp_path / "half")}).check()
     with pytest.raises(FileNotFoundError, match=r"judge .*nowhere: no such directory"):
         BaseReference(**complete, judge=str(tmp_path / "nowhere")).check()
-
-
-def run_main(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """`rlhf ARGV` in this process: its exit status and stderr."""
-    from rlhf_cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["rlhf", *argv])
-    with pytest.raises(SystemExit) as exited:
-        main()
-    return int(exited.value.code), capsys.readouterr().err
 
 
 def must_not_run(*args: object, **kwargs: object) -> None:

@@ -42,13 +42,14 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "models": {"config", "atomic", "progress"},
     "distributed": {"config", "atomic"},
     "config": set(),
-    "atomic": set(),
+    "atomic": {"write_failures"},
     "c_library": set(),
     "file_lock": set(),
     "layout": set(),
-    "output_lock": {"file_lock"},
+    "output_lock": {"file_lock", "write_failures"},
     "progress": set(),
     "statistics": set(),
+    "write_failures": set(),
 }  # fmt: skip
 
 
