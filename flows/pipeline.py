@@ -15,8 +15,10 @@ config overlays and overrides, the data source, and the stages to run. The flow
    compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (by default
    a reward model: with `evaluation.judge_rm: independent`, the default, the judge-reward stage trains
    a second reward model on the PPO-prompt split to judge with; `in_sample` judges with the one PPO
-   optimised against); register registers the reward model, that judge and the policy, and tags the
-   policy version with its evaluation, its judge's version and the stage outputs it came from,
+   optimised against). A policy whose content is the SFT model's (PPO handed on its start) is not
+   evaluated against it: the stage records "identical models, not evaluated" and why instead
+   (tasks/identical_evaluation.py). Register registers the reward model, that judge and the policy, and
+   tags the policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, so the flow run is Failed with it; a SIGINT or SIGTERM (Crashed) is logged with the
    stage it stopped (`log_stop`).
@@ -44,6 +46,7 @@ from rlhf_core.config import Config, load_config
 from tasks.caching import with_cache_dir
 from tasks.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
+from tasks.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
 from tasks.lineage import data_tags, pipeline_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
@@ -232,15 +235,7 @@ def run_stages(
         )
     if Stage.EVALUATE in selected:
         clock.start(Stage.EVALUATE.value)
-        outputs["evaluate"] = with_cache_dir(evaluate_task, cache_dir)(
-            config,
-            outputs["prepare-data"],
-            outputs["ppo"],
-            outputs["sft"],
-            judge_spec(config, outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]),
-            context,
-            names=("PPO policy", "SFT model"),
-        )
+        outputs["evaluate"] = evaluate_policy(config, outputs, context, cache_dir, clock.logger)
     if Stage.REGISTER in selected:
         clock.start(Stage.REGISTER.value)
         lineage_stages = ("prepare-data", "sft", "judge-reward")
@@ -256,6 +251,31 @@ def run_stages(
         )
     clock.stop()
     return outputs, registered
+
+
+def evaluate_policy(
+    config: Config,
+    outputs: dict[str, StageOutput],
+    context: StageContext,
+    cache_dir: Path,
+    logger: Logger | LoggerAdapter,
+) -> StageOutput:
+    """The evaluate stage: the PPO policy (A) against the SFT model (B) by the evaluate task, cached on
+    content; or, when the policy's content is the SFT model's (PPO handed on its start), not evaluated, with
+    the reason recorded (tasks/identical_evaluation.py): every pair would be a tie."""
+    if models_identical(outputs["ppo"], outputs["sft"]):
+        logger.info("%s", identical_models_reason(outputs["ppo"], outputs["sft"]))
+        return skip_identical_evaluation(outputs["ppo"], outputs["sft"], context)
+    judge = outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]
+    return with_cache_dir(evaluate_task, cache_dir)(
+        config,
+        outputs["prepare-data"],
+        outputs["ppo"],
+        outputs["sft"],
+        judge_spec(config, judge),
+        context,
+        names=("PPO policy", "SFT model"),
+    )
 
 
 def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float]) -> None:
