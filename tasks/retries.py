@@ -11,6 +11,8 @@ and retrying them only delays the report:
   at once, not wait for the first to finish and then write over its output;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
+A launch stopped because the stage training beside it failed (LaunchStoppedError) is not retried either:
+the run is failing with the other stage's error.
 A stage launched over several processes fails with RankFailedError, which names the error type of the
 rank that failed first; the same rule applies to that type.
 """
@@ -26,7 +28,7 @@ from prefect.states import State
 from rlhf_core.config import ConfigError
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
-from rlhf_core.distributed.launcher import RankFailedError
+from rlhf_core.distributed.launcher import LaunchStoppedError, RankFailedError
 from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
@@ -41,6 +43,7 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (
     OutputLockedError,
     NonFiniteLossError,
     CollapseError,
+    LaunchStoppedError,
 )
 
 STAGE_RETRIES = 2
