@@ -50,7 +50,8 @@ def chosen_step(ppo_out_dir: Path) -> int | None:
 
 def identical_models_reason(policy: StageOutput, sft: StageOutput) -> str:
     """Why the pair is not evaluated, in words: the shared content hash, and the PPO run's start handed on."""
-    start = " (its PPO run handed on its start: selection.json chose step 0)" if chosen_step(policy.out_dir) == 0 else ""
+    handed_on_start = chosen_step(policy.out_dir) == 0
+    start = " (its PPO run handed on its start: selection.json chose step 0)" if handed_on_start else ""
     return (
         f"{IDENTICAL_MODELS}: the PPO policy's content sha256 is the SFT model's ({sft.sha256[:12]}){start}; "
         "the same weights give the same replies, so every pair would be a tie"
