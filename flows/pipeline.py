@@ -10,7 +10,9 @@ config overlays and overrides, the data source, and the stages to run. The flow
    UUIDv7, whose first characters encode the creation time and are shared by runs created close
    together,
 4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
-5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
+5. runs the stage tasks in order, but for the judge-reward stage, which needs only the prepared data: it
+   trains beside SFT and the reward model, in its own process on half the cores (`run_training_stages`);
+   a stage whose inputs are unchanged is a cache hit and hands on its
    earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`). The evaluate stage
    compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (by default
    a reward model: with `evaluation.judge_rm: independent`, the default, the judge-reward stage trains
@@ -30,6 +32,7 @@ directory of the process running the flow (`rlhf run`, or `rlhf serve` started i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 from logging import Logger, LoggerAdapter
@@ -40,10 +43,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.stage_branch import BesideStage
 from flows.stage_clock import StageClock
 from flows.stop_signals import signal_name, stop_signal
 from rlhf_core.config import Config, load_config
 from tasks.caching import with_cache_dir
+from tasks.concurrency import shared_training_slot
+from tasks.core_share import branch, core_shares, stage_threads
 from tasks.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
 from tasks.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
@@ -135,6 +141,9 @@ class PipelineResult(BaseModel):
     outputs: dict[str, StageOutput]
     registered: list[RegisteredVersion]
     stage_minutes: dict[str, float] = Field(default_factory=dict, description="Wall-clock minutes per stage.")
+    total_minutes: float | None = Field(
+        None, description="Wall-clock minutes from the first stage's start to the last one's end (stages overlap)."
+    )
 
     def summary(self) -> str:
         """The lines `rlhf run` ends with."""
@@ -150,7 +159,8 @@ class PipelineResult(BaseModel):
             reused = "" if output.out_dir.parent == self.run_dir else ", cache hit: an earlier run's output"
             lines.append(f"stage {stage}: {output.out_dir} ({self.stage_minutes.get(stage, 0.0):.1f} min{reused})")
         if self.stage_minutes:
-            lines.append(f"stages took {sum(self.stage_minutes.values()):.1f} min in all")
+            total = sum(self.stage_minutes.values()) if self.total_minutes is None else self.total_minutes
+            lines.append(f"stages took {total:.1f} min in all (wall clock)")
         for version in self.registered:
             alias = f", alias {version.alias}" if version.alias else ""
             reused = " (unchanged model: existing version)" if version.reused else ""
@@ -204,24 +214,15 @@ def run_stages(
     remote: RemoteStages,
     clock: StageClock,
 ) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
-    """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere.
+    """Run the selected stages, each with its cache in `cache_dir`; `remote` training stages elsewhere. The
+    judge reward model trains beside SFT and the reward model (`run_training_stages`), the rest in order.
     `clock` announces each stage as it starts and times it (flows/stage_clock.py)."""
     outputs: dict[str, StageOutput] = {}
     registered: list[RegisteredVersion] = []
     if Stage.PREPARE_DATA in selected:
         clock.start(Stage.PREPARE_DATA.value)
         outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
-    if Stage.SFT in selected:
-        clock.start(Stage.SFT.value)
-        outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
-    if Stage.REWARD in selected:
-        clock.start(Stage.REWARD.value)
-        outputs["reward"] = run_training_stage(
-            reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
-        )
-    if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
-        clock.start(Stage.JUDGE_REWARD.value)
-        outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
+    run_training_stages(config, selected, context, remote, clock, outputs)
     if Stage.PPO in selected:
         clock.start(Stage.PPO.value)
         outputs["ppo"] = run_training_stage(
@@ -253,6 +254,69 @@ def run_stages(
     return outputs, registered
 
 
+def run_training_stages(
+    config: Config,
+    selected: set[Stage],
+    context: StageContext,
+    remote: RemoteStages,
+    clock: StageClock,
+    outputs: dict[str, StageOutput],
+) -> None:
+    """SFT then the reward model on the main line, and the judge reward model, which needs only the prepared
+    data, beside them in its own process (flows/stage_branch.py), the cores split between the two
+    (tasks/core_share.py) and the machine's training slot shared (tasks/concurrency.py). Either side's
+    failure fails the run with its error, and the other side is stopped; the outputs go into `outputs`."""
+    judge_wanted = Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm
+    if not judge_wanted or Stage.SFT not in selected:  # nothing to overlap: one after another
+        run_main_line(config, selected, context, remote, clock, outputs, check=lambda: None)
+        if judge_wanted:
+            clock.start(Stage.JUDGE_REWARD.value)
+            outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
+        return
+    main_share, beside_share = core_shares()
+    with shared_training_slot():
+        judge = BesideStage(
+            Stage.JUDGE_REWARD.value,
+            lambda: train_judge_reward(config, outputs["prepare-data"], context),
+            beside_share,
+            clock,
+        ).start()
+        try:
+            with branch(main_share):
+                run_main_line(config, selected, context, remote, clock, outputs, check=judge.raise_if_failed)
+            clock.end_main_line()
+            outputs["judge-reward"] = judge.result()
+        except BaseException:
+            judge.stop()
+            raise
+
+
+def run_main_line(
+    config: Config,
+    selected: set[Stage],
+    context: StageContext,
+    remote: RemoteStages,
+    clock: StageClock,
+    outputs: dict[str, StageOutput],
+    check: Callable[[], None],
+) -> None:
+    """SFT and the reward model, in order, as selected, each on the main line's share of the threads as it
+    starts (tasks/core_share.py); `check` (did the stage beside fail?) before each stage and after the last."""
+    if Stage.SFT in selected:
+        check()
+        clock.start(Stage.SFT.value)
+        with stage_threads():
+            outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
+    if Stage.REWARD in selected:
+        check()
+        clock.start(Stage.REWARD.value)
+        with stage_threads():
+            outputs["reward"] = run_training_stage(
+                reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
+            )
+    check()
+
+
 def evaluate_policy(
     config: Config,
     outputs: dict[str, StageOutput],
@@ -278,11 +342,14 @@ def evaluate_policy(
     )
 
 
-def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float]) -> None:
+def record_stage_runs(
+    tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float], total: float
+) -> None:
     """Tag the parent run with each stage's output hash and MLflow run (an earlier run's when cached), and
-    log each stage's wall-clock minutes (`minutes.<stage>`) and their sum (`minutes.total`)."""
+    log each stage's wall-clock minutes (`minutes.<stage>`) and the run's (`minutes.total`: from the first
+    stage's start to the last one's end, less than the sum when stages overlap)."""
     client = tracking.client()
-    for stage, value in {**minutes, "total": sum(minutes.values())}.items():
+    for stage, value in {**minutes, "total": total}.items():
         client.log_metric(tracking.parent_run_id, f"minutes.{stage}", value)
     for stage, output in outputs.items():
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.sha256", output.sha256)
@@ -336,9 +403,9 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         outputs, registered = run_stages(
             config, source, selected, context, context.cache_dir, lineage, settings.remote, clock
         )
-        record_stage_runs(tracking, outputs, clock.minutes)
+        record_stage_runs(tracking, outputs, clock.minutes, clock.total)
     except BaseException as error:
-        log_stop(logger, error, clock.current)
+        log_stop(logger, error, " and ".join(clock.running) or None)
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
     close_run(tracking.client(), tracking.parent_run_id)
@@ -352,6 +419,7 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         outputs=outputs,
         registered=registered,
         stage_minutes=clock.minutes,
+        total_minutes=clock.total,
     )
     # The summary as an artifact, not a log line: `rlhf run` prints it once itself, and the UI shows it.
     create_markdown_artifact(markdown=result.markdown(), key="pipeline-summary", description="Where the run put it all")
