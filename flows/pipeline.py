@@ -274,12 +274,15 @@ def run_training_stages(
             outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
         return
     main_share, beside_share = core_shares()
+    main_line = " and ".join(stage.value for stage in (Stage.SFT, Stage.REWARD) if stage in selected)
+    clock.end_main_line()  # prepare-data ends here, not when SFT starts after the judge's thread
     with shared_training_slot():
         judge = BesideStage(
             Stage.JUDGE_REWARD.value,
             lambda: train_judge_reward(config, outputs["prepare-data"], context),
             beside_share,
             clock,
+            beside=main_line,
         ).start()
         try:
             with branch(main_share):

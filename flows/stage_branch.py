@@ -25,10 +25,13 @@ STOP_WAIT_SECONDS = 60.0  # how long `stop` waits for the stage beside to end on
 
 
 class BesideStage:
-    """`work` (a stage) run in a thread as `name`, timed by `clock` as a stage beside the main line."""
+    """`work` (a stage) run in a thread as `name`, timed by `clock` as a stage beside the main line's `beside`."""
 
-    def __init__(self, name: str, work: Callable[[], StageOutput], share: CoreShare, clock: StageClock) -> None:
+    def __init__(
+        self, name: str, work: Callable[[], StageOutput], share: CoreShare, clock: StageClock, beside: str
+    ) -> None:
         self.name = name
+        self.beside = beside  # the main line's stages it runs beside, for the clock's announcement
         self.work = work
         self.share = share
         self.clock = clock
@@ -43,7 +46,7 @@ class BesideStage:
 
     def run(self) -> None:
         """The thread's body: the stage on its share of the cores, its outcome kept for `result`."""
-        self.clock.start_beside(self.name)
+        self.clock.start_beside(self.name, self.beside)
         try:
             with branch(self.share):
                 self.output = self.work()

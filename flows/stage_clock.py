@@ -39,11 +39,12 @@ class StageClock:
             self.announce(stage, "")
             self.current, self.since = stage, now
 
-    def start_beside(self, stage: str) -> None:
-        """`stage` starts now beside the main line; it ends with `end_beside`."""
+    def start_beside(self, stage: str, beside: str) -> None:
+        """`stage` starts now beside the main line's stages `beside` (announced with them); it ends with
+        `end_beside`."""
         with self.lock:
             now = self.begin()
-            self.announce(stage, f" (beside {self.current})" if self.current else "")
+            self.announce(stage, f" (beside {beside})")
             self.beside[stage] = now
 
     def end_beside(self, stage: str) -> None:

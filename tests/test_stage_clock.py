@@ -33,7 +33,7 @@ def test_a_stage_beside_the_main_line_is_timed_from_its_own_start_to_its_end(
     clock = StageClock(["a", "b", "j"], logging.getLogger("clock-test"))
     with caplog.at_level(logging.INFO, logger="clock-test"):
         clock.start("a")
-        clock.start_beside("j")
+        clock.start_beside("j", "a and b")
         assert clock.running == ["a", "j"]
         clock.start("b")
         clock.end_main_line()
@@ -43,4 +43,4 @@ def test_a_stage_beside_the_main_line_is_timed_from_its_own_start_to_its_end(
     assert clock.total == pytest.approx(3.0)  # wall clock, first start to last end: less than the sum, 4.9
     assert clock.running == []
     announced = [record.getMessage() for record in caplog.records]
-    assert announced == ["stage 1/3: a", "stage 3/3: j (beside a)", "stage 2/3: b"]
+    assert announced == ["stage 1/3: a", "stage 3/3: j (beside a and b)", "stage 2/3: b"]
