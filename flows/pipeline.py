@@ -10,13 +10,17 @@ config overlays and overrides, the data source, and the stages to run. The flow
    UUIDv7, whose first characters encode the creation time and are shared by runs created close
    together,
 4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
-5. runs the stage tasks in order; a stage whose inputs are unchanged is a cache hit and hands on its
+5. runs the stage tasks in order, but for the judge-reward stage, which needs only the prepared data: it
+   trains beside SFT and the reward model, in its own process on half the cores (`run_training_stages`);
+   a stage whose inputs are unchanged is a cache hit and hands on its
    earlier output, wherever that lives (cache records: `<runs_dir>/.cache/`). The evaluate stage
    compares the PPO policy (A) with the SFT model (B), judged as `evaluation.judge` says (by default
    a reward model: with `evaluation.judge_rm: independent`, the default, the judge-reward stage trains
    a second reward model on the PPO-prompt split to judge with; `in_sample` judges with the one PPO
-   optimised against); register registers the reward model, that judge and the policy, and tags the
-   policy version with its evaluation, its judge's version and the stage outputs it came from,
+   optimised against). A policy whose content is the SFT model's (PPO handed on its start) is not
+   evaluated against it: the stage records "identical models, not evaluated" and why instead
+   (tasks/identical_evaluation.py). Register registers the reward model, that judge and the policy, and
+   tags the policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, so the flow run is Failed with it; a SIGINT or SIGTERM (Crashed) is logged with the
    stage it stopped (`log_stop`).
@@ -28,6 +32,7 @@ directory of the process running the flow (`rlhf run`, or `rlhf serve` started i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 from logging import Logger, LoggerAdapter
@@ -38,13 +43,17 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.stage_branch import BesideStage
 from flows.stage_clock import StageClock
 from flows.stop_signals import signal_name, stop_signal
 from rlhf_core.config import Config, load_config
 from rlhf_core.layout import RUNS_DIR
 from tasks.caching import with_cache_dir
+from tasks.concurrency import shared_training_slot
+from tasks.core_share import branch, core_shares, stage_threads
 from tasks.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
+from tasks.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
 from tasks.lineage import data_tags, pipeline_tags
 from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 from tasks.outputs import StageOutput
@@ -127,6 +136,9 @@ class PipelineResult(BaseModel):
     outputs: dict[str, StageOutput]
     registered: list[RegisteredVersion]
     stage_minutes: dict[str, float] = Field(default_factory=dict, description="Wall-clock minutes per stage.")
+    total_minutes: float | None = Field(
+        None, description="Wall-clock minutes from the first stage's start to the last one's end (stages overlap)."
+    )
 
     def summary(self) -> str:
         """The lines `rlhf run` ends with."""
@@ -142,7 +154,8 @@ class PipelineResult(BaseModel):
             reused = "" if output.out_dir.parent == self.run_dir else ", cache hit: an earlier run's output"
             lines.append(f"stage {stage}: {output.out_dir} ({self.stage_minutes.get(stage, 0.0):.1f} min{reused})")
         if self.stage_minutes:
-            lines.append(f"stages took {sum(self.stage_minutes.values()):.1f} min in all")
+            total = sum(self.stage_minutes.values()) if self.total_minutes is None else self.total_minutes
+            lines.append(f"stages took {total:.1f} min in all (wall clock)")
         for version in self.registered:
             alias = f", alias {version.alias}" if version.alias else ""
             reused = " (unchanged model: existing version)" if version.reused else ""
@@ -196,24 +209,15 @@ def run_stages(
     remote: RemoteStages,
     clock: StageClock,
 ) -> tuple[dict[str, StageOutput], list[RegisteredVersion]]:
-    """Run the selected stages in order, each with its cache in `cache_dir`; `remote` training stages elsewhere.
+    """Run the selected stages, each with its cache in `cache_dir`; `remote` training stages elsewhere. The
+    judge reward model trains beside SFT and the reward model (`run_training_stages`), the rest in order.
     `clock` announces each stage as it starts and times it (flows/stage_clock.py)."""
     outputs: dict[str, StageOutput] = {}
     registered: list[RegisteredVersion] = []
     if Stage.PREPARE_DATA in selected:
         clock.start(Stage.PREPARE_DATA.value)
         outputs["prepare-data"] = with_cache_dir(prepare_data_task, cache_dir)(config, source, context)
-    if Stage.SFT in selected:
-        clock.start(Stage.SFT.value)
-        outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
-    if Stage.REWARD in selected:
-        clock.start(Stage.REWARD.value)
-        outputs["reward"] = run_training_stage(
-            reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
-        )
-    if Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm:
-        clock.start(Stage.JUDGE_REWARD.value)
-        outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
+    run_training_stages(config, selected, context, remote, clock, outputs)
     if Stage.PPO in selected:
         clock.start(Stage.PPO.value)
         outputs["ppo"] = run_training_stage(
@@ -227,29 +231,12 @@ def run_stages(
         )
     if Stage.EVALUATE in selected:
         clock.start(Stage.EVALUATE.value)
-        outputs["evaluate"] = evaluate_policy(config, outputs, context, cache_dir)
+        outputs["evaluate"] = evaluate_policy(config, outputs, context, cache_dir, clock.logger)
     if Stage.REGISTER in selected:
         clock.start(Stage.REGISTER.value)
         registered = register_outputs(config, outputs, lineage, context)
     clock.stop()
     return outputs, registered
-
-
-def evaluate_policy(
-    config: Config, outputs: dict[str, StageOutput], context: StageContext, cache_dir: Path
-) -> StageOutput:
-    """The evaluate stage: the PPO policy against the SFT model, judged by the judge reward model when this
-    run trains one, else by the reward model PPO optimised against."""
-    judge_output = outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]
-    return with_cache_dir(evaluate_task, cache_dir)(
-        config,
-        outputs["prepare-data"],
-        outputs["ppo"],
-        outputs["sft"],
-        judge_spec(config, judge_output),
-        context,
-        names=("PPO policy", "SFT model"),
-    )
 
 
 def register_outputs(
@@ -270,11 +257,105 @@ def register_outputs(
     )
 
 
-def record_stage_runs(tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float]) -> None:
+def run_training_stages(
+    config: Config,
+    selected: set[Stage],
+    context: StageContext,
+    remote: RemoteStages,
+    clock: StageClock,
+    outputs: dict[str, StageOutput],
+) -> None:
+    """SFT then the reward model on the main line, and the judge reward model, which needs only the prepared
+    data, beside them in its own process (flows/stage_branch.py), the cores split between the two
+    (tasks/core_share.py) and the machine's training slot shared (tasks/concurrency.py). Either side's
+    failure fails the run with its error, and the other side is stopped; the outputs go into `outputs`."""
+    judge_wanted = Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm
+    if not judge_wanted or Stage.SFT not in selected:  # nothing to overlap: one after another
+        run_main_line(config, selected, context, remote, clock, outputs, check=lambda: None)
+        if judge_wanted:
+            clock.start(Stage.JUDGE_REWARD.value)
+            outputs["judge-reward"] = train_judge_reward(config, outputs["prepare-data"], context)
+        return
+    main_share, beside_share = core_shares()
+    main_line = " and ".join(stage.value for stage in (Stage.SFT, Stage.REWARD) if stage in selected)
+    clock.end_main_line()  # prepare-data ends here, not when SFT starts after the judge's thread
+    with shared_training_slot():
+        judge = BesideStage(
+            Stage.JUDGE_REWARD.value,
+            lambda: train_judge_reward(config, outputs["prepare-data"], context),
+            beside_share,
+            clock,
+            beside=main_line,
+        ).start()
+        try:
+            with branch(main_share):
+                run_main_line(config, selected, context, remote, clock, outputs, check=judge.raise_if_failed)
+            clock.end_main_line()
+            outputs["judge-reward"] = judge.result()
+        except BaseException:
+            judge.stop()
+            raise
+
+
+def run_main_line(
+    config: Config,
+    selected: set[Stage],
+    context: StageContext,
+    remote: RemoteStages,
+    clock: StageClock,
+    outputs: dict[str, StageOutput],
+    check: Callable[[], None],
+) -> None:
+    """SFT and the reward model, in order, as selected, each on the main line's share of the threads as it
+    starts (tasks/core_share.py); `check` (did the stage beside fail?) before each stage and after the last."""
+    if Stage.SFT in selected:
+        check()
+        clock.start(Stage.SFT.value)
+        with stage_threads():
+            outputs["sft"] = run_training_stage(sft_task, config, context, remote, data=outputs["prepare-data"])
+    if Stage.REWARD in selected:
+        check()
+        clock.start(Stage.REWARD.value)
+        with stage_threads():
+            outputs["reward"] = run_training_stage(
+                reward_task, config, context, remote, data=outputs["prepare-data"], sft_output=outputs["sft"]
+            )
+    check()
+
+
+def evaluate_policy(
+    config: Config,
+    outputs: dict[str, StageOutput],
+    context: StageContext,
+    cache_dir: Path,
+    logger: Logger | LoggerAdapter,
+) -> StageOutput:
+    """The evaluate stage: the PPO policy (A) against the SFT model (B) by the evaluate task, cached on
+    content; or, when the policy's content is the SFT model's (PPO handed on its start), not evaluated, with
+    the reason recorded (tasks/identical_evaluation.py): every pair would be a tie."""
+    if models_identical(outputs["ppo"], outputs["sft"]):
+        logger.info("%s", identical_models_reason(outputs["ppo"], outputs["sft"]))
+        return skip_identical_evaluation(outputs["ppo"], outputs["sft"], context)
+    judge = outputs["judge-reward"] if config.evaluation.trains_judge_rm else outputs["reward"]
+    return with_cache_dir(evaluate_task, cache_dir)(
+        config,
+        outputs["prepare-data"],
+        outputs["ppo"],
+        outputs["sft"],
+        judge_spec(config, judge),
+        context,
+        names=("PPO policy", "SFT model"),
+    )
+
+
+def record_stage_runs(
+    tracking: TrackingTarget, outputs: dict[str, StageOutput], minutes: dict[str, float], total: float
+) -> None:
     """Tag the parent run with each stage's output hash and MLflow run (an earlier run's when cached), and
-    log each stage's wall-clock minutes (`minutes.<stage>`) and their sum (`minutes.total`)."""
+    log each stage's wall-clock minutes (`minutes.<stage>`) and the run's (`minutes.total`: from the first
+    stage's start to the last one's end, less than the sum when stages overlap)."""
     client = tracking.client()
-    for stage, value in {**minutes, "total": sum(minutes.values())}.items():
+    for stage, value in {**minutes, "total": total}.items():
         client.log_metric(tracking.parent_run_id, f"minutes.{stage}", value)
     for stage, output in outputs.items():
         client.set_tag(tracking.parent_run_id, f"stage.{stage}.sha256", output.sha256)
@@ -328,9 +409,9 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         outputs, registered = run_stages(
             config, source, selected, context, context.cache_dir, lineage, settings.remote, clock
         )
-        record_stage_runs(tracking, outputs, clock.minutes)
+        record_stage_runs(tracking, outputs, clock.minutes, clock.total)
     except BaseException as error:
-        log_stop(logger, error, clock.current)
+        log_stop(logger, error, " and ".join(clock.running) or None)
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
     close_run(tracking.client(), tracking.parent_run_id)
@@ -344,6 +425,7 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         outputs=outputs,
         registered=registered,
         stage_minutes=clock.minutes,
+        total_minutes=clock.total,
     )
     # The summary as an artifact, not a log line: `rlhf run` prints it once itself, and the UI shows it.
     create_markdown_artifact(markdown=result.markdown(), key="pipeline-summary", description="Where the run put it all")

@@ -18,6 +18,11 @@ stage holding it (pid, host, start time) to the stage that waits. The temporary 
 run Prefect's lease reaper (the repossessor is not among the services of an ephemeral server), so the
 slot of a run killed while it trained stayed taken in PREFECT_HOME's database for good and every later
 run waited forever. The kernel releases a `flock` when its holder dies, however it dies.
+
+Within one pipeline run, stages that train at once (the judge reward model beside SFT and the reward
+model, flows/pipeline.py) split the machine's cores between them and count as one training stage: the run
+opens a `SharedSlot` for them (`shared_training_slot`), the first of them to train takes the slot, the
+others join it, and the run gives it back when they are all done. Cached stages take nothing, as before.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from prefect.client.orchestration import get_client
@@ -66,10 +73,62 @@ def ensure_training_limit(name: str, slots: int = TRAINING_SLOTS) -> None:
             pass  # another run created it between our read and create
 
 
+class SharedSlot:
+    """One training slot for the stages of one run that train at once: taken by the first of them that
+    trains (`hold`), kept until `release`; a stage waiting for it makes the others wait too."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+        self.lock = threading.Lock()
+        self.held = ExitStack()
+        self.taken = False
+
+    def hold(self, stage: str) -> None:
+        """Take the slot for `stage` unless this run holds it already (waiting for it like any training stage)."""
+        with self.lock:
+            if not self.taken:
+                self.held.enter_context(exclusive_training_slot(stage, self.name))
+                self.taken = True
+
+    def release(self) -> None:
+        """Give the slot back, if it was taken."""
+        with self.lock:
+            self.held.close()
+            self.taken = False
+
+
+# The run's shared slot, while stages of it train at once (threads started with a copy of the context see it).
+SHARED_SLOT: ContextVar[SharedSlot | None] = ContextVar("rlhf_shared_training_slot", default=None)
+
+
+@contextmanager
+def shared_training_slot(name: str | None = None) -> Iterator[SharedSlot]:
+    """Within the block, `training_slot` takes or joins one `SharedSlot`, given back when the block ends."""
+    shared = SharedSlot(name)
+    token = SHARED_SLOT.set(shared)
+    try:
+        yield shared
+    finally:
+        SHARED_SLOT.reset(token)
+        shared.release()
+
+
 @contextmanager
 def training_slot(stage: str, name: str | None = None) -> Iterator[None]:
     """Hold one slot of this machine's training limit for `stage` for the duration of the block (module
-    docstring)."""
+    docstring), or, inside `shared_training_slot`, the run's shared one (held until that block ends)."""
+    shared = SHARED_SLOT.get()
+    if shared is not None:
+        shared.hold(stage)
+        yield
+        return
+    with exclusive_training_slot(stage, name):
+        yield
+
+
+@contextmanager
+def exclusive_training_slot(stage: str, name: str | None = None) -> Iterator[None]:
+    """One slot of this machine's training limit, this block's alone, held for `stage`."""
     limit = name or training_limit_name()
     if get_current_settings().api.url is None:  # Prefect's temporary server
         with training_lock(Path(get_current_settings().home) / f"{limit}.lock", stage):

@@ -22,7 +22,8 @@
   model's training_data.json rebuilt from its tags, so that the report says what the judge was trained on.
   A download's content hash is the registered model's (`downloaded_model_sha256`), so an evaluation is
   found in the cache whether it was made of the stage output or of its registry copy.
-- `evaluation_tags` and `evaluation_summary`: what the registered version and `rlhf run` say of it.
+- `evaluation_tags` and `evaluation_summary`: what the registered version and `rlhf run` say of it (of
+  an evaluation, or of a pair not evaluated because identical: tasks/identical_evaluation.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from rlhf_core.stages.ppo import REWARD_RECORD_FILE
 from tasks.artifacts import publish_table
 from tasks.caching import StageCachePolicy
 from tasks.concurrency import training_slot
+from tasks.identical_evaluation import is_not_evaluated, not_evaluated_summary, not_evaluated_tags
 from tasks.outputs import StageOutput, directory_sha256, files_sha256, hashed_files
 from tasks.registry import CONTENT_TAG, EVALUATION_STATUS_TAG, REWARD_VERSION_TAG, training_data_from_tags
 from tasks.stage_runs import STAGE_SECTIONS, StageContext, tracked_stage
@@ -222,7 +224,10 @@ def read_report(output: StageOutput) -> EvaluationReport:
 
 def evaluation_tags(output: StageOutput) -> dict[str, str]:
     """Tags for the evaluated model version: status, the MLflow run, the judge (kind, in-sample or not, and
-    its description: which reward model, trained on what), baseline and headline figures."""
+    its description: which reward model, trained on what), baseline and headline figures; for a policy
+    identical to its baseline, the status "identical models, not evaluated" and the reason."""
+    if is_not_evaluated(output):
+        return not_evaluated_tags(output)
     report = read_report(output)
     tags = {
         EVALUATION_STATUS_TAG: EVALUATED,
@@ -273,7 +278,9 @@ def length_controlled_summary(report: EvaluationReport) -> str:
 def evaluation_summary(output: StageOutput) -> list[str]:
     """The lines `rlhf run` ends with: who judged (the judge's role, worded as in report.md), the
     length-controlled headline, the rates, win minus loss and the judge's mean score difference with their
-    intervals, where to look."""
+    intervals, where to look; or why it was not evaluated."""
+    if is_not_evaluated(output):
+        return not_evaluated_summary(output)
     report = read_report(output)
     overall = report.overall
     margin = overall.win_minus_loss

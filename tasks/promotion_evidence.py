@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from tasks.outputs import StageOutput
 
 IDENTICAL_MODELS = "identical models, not evaluated"
+# The figure that marks such evidence (1.0): the promotion gate fails it, whatever its bounds, and the
+# pipeline's evaluate stage records it in its metrics.json when the PPO policy is the SFT model.
+IDENTICAL_MODELS_FIGURE = "identical_models"
 # The figures of a model against itself: all ties, so A wins as often as B (0, interval [0, 0]), the
 # length-controlled win rate is even (0.5, interval [0.5, 0.5]), the replies are as long (ratio 1) and
 # the reference replies as likely (alignment tax 0). The names are those of metrics.json (report.py).
@@ -37,6 +40,7 @@ IDENTICAL_MODELS_FIGURES: dict[str, float] = {
     "alignment_tax": 0.0,
     "alignment_tax_relative": 0.0,
     "judge_in_sample": 0.0,  # no judge was asked
+    IDENTICAL_MODELS_FIGURE: 1.0,
 }
 
 

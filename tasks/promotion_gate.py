@@ -17,6 +17,10 @@ rate of such a policy high, so the plain rate alone proves nothing.
   answer far shorter at evaluation.
 - `alignment_tax_relative`: the challenger's perplexity on held-out chosen replies over the baseline's,
   minus 1, must be at most `max_alignment_tax`: it did not buy its wins with general language ability.
+- `differs_from_baseline`: only in the evidence of a challenger whose content is its baseline's
+  (tasks/promotion_evidence.py: identical models, not evaluated), and always failed: every pair of such a
+  comparison is a tie, which permissive bounds (a negative `min_win_minus_loss_low`) would let pass, and
+  a policy the same as its baseline has won nothing.
 - `kl_to_reference`: the policy's per-token KL to its reference on held-out prompts (`val/kl_best` of
   its PPO run, the figure the best policy was chosen under) must be at most `max_kl`: it did not win by
   drifting far from the SFT model (paper 5.2).
@@ -35,6 +39,7 @@ from collections.abc import Callable, Mapping
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import PromotionConfig
+from tasks.promotion_evidence import IDENTICAL_MODELS, IDENTICAL_MODELS_FIGURE
 
 # Shown in place of a missing figure, with its name: the evaluation or PPO run predates the figure.
 MISSING_FROM_EVALUATION = "missing: {} is not in the evaluation's metrics.json (evaluated before it existed?)"
@@ -92,8 +97,12 @@ def in_band(value: float, low: float | None, high: float | None) -> bool:
 
 def evaluation_checks(settings: PromotionConfig, evaluation: Mapping[str, float]) -> list[GateCheck]:
     """The checks on the evaluation's figures: length-controlled win rate, win minus loss, length ratio,
-    alignment tax."""
+    alignment tax; and a failed `differs_from_baseline` when the evidence is of identical models."""
     checks = []
+    if evaluation.get(IDENTICAL_MODELS_FIGURE) == 1.0:
+        bound = "content differs from the baseline's"
+        identical = GateCheck(name="differs_from_baseline", value=1.0, bound=bound, passed=False, note=IDENTICAL_MODELS)
+        checks.append(identical)
     lc_low = settings.min_lc_win_rate_low
     if lc_low is not None:
         lc_value = evaluation.get("lc_win_rate_low")

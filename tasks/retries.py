@@ -14,6 +14,8 @@ and retrying them only delays the report:
   it again; the run stops with the one line naming the path, and a rerun once there is room resumes;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
+A launch stopped because the stage training beside it failed (LaunchStoppedError) is not retried either:
+the run is failing with the other stage's error.
 A stage launched over several processes fails with RankFailedError, which names the error type of the
 rank that failed first; the same rule applies to that type.
 """
@@ -29,7 +31,7 @@ from prefect.states import State
 from rlhf_core.config import ConfigError
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
-from rlhf_core.distributed.launcher import RankFailedError
+from rlhf_core.distributed.launcher import LaunchStoppedError, RankFailedError
 from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
@@ -46,6 +48,7 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (
     OutputWriteError,
     NonFiniteLossError,
     CollapseError,
+    LaunchStoppedError,
 )
 
 STAGE_RETRIES = 2

@@ -33,6 +33,7 @@ from rlhf_core.layout import HISTORY_FILE, MODEL_DIR
 from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
 from tasks.artifacts import PROGRESS_METRIC
 from tasks.caching import StageCachePolicy, with_cache_dir
+from tasks.core_share import CORE_SHARE
 from tasks.data_source import DataSource
 from tasks.outputs import StageOutput
 from tasks.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
@@ -68,15 +69,20 @@ def run_launched(
     """Run a training stage on `config.distributed`'s processes (rlhf_core/distributed/launcher.py).
 
     Every rank's log lines go to this task's Prefect log as they appear; a failing rank fails the task
-    with that rank's error. Rank 0's stepped metrics (history.jsonl) then go to the MLflow run.
-    Returns the model directory.
+    with that rank's error. Rank 0's stepped metrics (history.jsonl) then go to the MLflow run. While
+    another stage trains beside it, its processes keep to this branch's threads and stop when the other
+    branch fails (tasks/core_share.py). Returns the model directory.
     """
     prefect_log = get_run_logger()
 
     def forward(rank: int | None, line: str) -> None:
         prefect_log.info("[%s] %s", "launcher" if rank is None else f"rank {rank}", line)
 
-    launch_stage(stage, config, run.out_dir, forward, data_dir=data_dir, sft_dir=sft_dir, rm_dir=rm_dir)
+    share = CORE_SHARE.get()
+    env = share.launch_env(config.distributed.world_size) if share is not None else None
+    stop = share.stop.is_set if share is not None else None
+    dirs = {"sft_dir": sft_dir, "rm_dir": rm_dir}
+    launch_stage(stage, config, run.out_dir, forward, data_dir=data_dir, env=env, stop=stop, **dirs)
     metrics_logger = run.progress_logger()
     for row in map(json.loads, (run.out_dir / HISTORY_FILE).read_text(encoding="utf-8").splitlines()):
         step = int(row.pop("step"))
@@ -153,10 +159,13 @@ def judge_reward_task(config: Config, data: StageOutput, context: StageContext) 
 
     `config` is the judge's settings, `judge_reward.judge_config(<the run's config>)`: its `model` section
     is the judge's base model and its `reward` section has `init_from: base`, so that they, and not the
-    policy's, make the stage's cache key and MLflow params.
+    policy's, make the stage's cache key and MLflow params. Beside other training stages (a `CORE_SHARE`
+    is set) it trains in its own process, on its share of the cores (tasks/core_share.py).
     """
     inputs = {"data": data}
     with tracked_training_stage("judge-reward", config, context, content_hashes(inputs), inputs=inputs) as run:
+        if CORE_SHARE.get() is not None:
+            return run.finish(run_launched("judge-reward", config, run, data_dir=data.out_dir))
         result = judge_reward.run_judge_rm(config, data.out_dir, run.out_dir, logger=run.progress_logger())
         return run.finish(result.model_dir)
 

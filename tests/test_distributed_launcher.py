@@ -7,22 +7,24 @@ secondary error of the rank that lost its peer), with the rank's last log lines.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 from fixtures.paths import SCRIPTS
 
 from rlhf_core.config import DistributedConfig
-from rlhf_core.distributed.launcher import Launch, RankFailedError, launcher_command, run_launch
+from rlhf_core.distributed.launcher import Launch, LaunchStoppedError, RankFailedError, launcher_command, run_launch
 
 TWO_RANKS = DistributedConfig(num_processes=2, master_port=29613)
 
 
-def probe_launch(tmp_path: Path, *args: str) -> Launch:
+def probe_launch(tmp_path: Path, *args: str, distributed: DistributedConfig = TWO_RANKS) -> Launch:
     return Launch(
         module="distributed_rank_probe",
         args=list(args),
-        distributed=TWO_RANKS,
+        distributed=distributed,
         log_dir=tmp_path / "logs",
         env={"PYTHONPATH": str(SCRIPTS), "OMP_NUM_THREADS": "1"},
     )
@@ -69,3 +71,34 @@ def test_failing_rank_is_named_with_its_message_and_every_rank_is_streamed(tmp_p
     assert (0, "hello from rank 0 of 2") in lines
     assert (1, "hello from rank 1 of 2") in lines
     assert any(rank is None for rank, _ in lines)  # the launcher's own output
+
+
+def test_a_world_of_one_runs_the_module_directly(tmp_path: Path) -> None:
+    spec = probe_launch(tmp_path, "--x", "1", distributed=DistributedConfig(num_processes=1))
+    assert launcher_command(spec) == [sys.executable, "-u", "-m", "distributed_rank_probe", "--x", "1"]
+
+
+@pytest.mark.slow
+def test_a_failing_world_of_one_is_named_with_its_message_and_log(tmp_path: Path) -> None:
+    one = DistributedConfig(num_processes=1)
+    with pytest.raises(RankFailedError) as raised:
+        run_launch(probe_launch(tmp_path, "--fail-rank", "0", "--message", "bad shard 3", distributed=one), print)
+    assert str(raised.value).startswith("rank 0 of 1 failed: ValueError: bad shard 3")
+    assert any("ValueError: bad shard 3" in line for line in raised.value.tail)  # from the launcher's log
+
+
+@pytest.mark.slow
+def test_a_stopped_launch_leaves_no_process_running(tmp_path: Path) -> None:
+    """`stop` turning true (the stage beside failed) terminates the launch: here a rank that would wait a
+    minute for a rank beyond its world of one."""
+    one = DistributedConfig(num_processes=1)
+    lines: list[str] = []
+    with pytest.raises(LaunchStoppedError):
+        run_launch(
+            probe_launch(tmp_path, "--fail-rank", "1", "--message", "never", distributed=one),
+            lambda rank, line: lines.append(line),
+            stop=lambda: any(line.startswith("pid ") for line in lines),
+        )
+    (pid,) = [int(line.split()[1]) for line in lines if line.startswith("pid ")]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # terminated and reaped

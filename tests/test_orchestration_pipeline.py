@@ -114,7 +114,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlfl
         "config": [str(TINY)],
         "data": str(data),
         "params_file": str(PARAMS),
-        "overrides": ["ppo.steps=2"],  # the tiny overlay's PPO, one iteration shorter
+        # The tiny overlay's PPO, one iteration shorter, at a learning rate at which it hands on a trained
+        # policy (at the overlay's 1e-4 it hands on its start, which is not evaluated: test_identical_evaluation).
+        "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4"],
     }
     runs: dict[str, PipelineRun] = {}
     try:
@@ -122,7 +124,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlfl
             wait_for_deployment(server, SERVE_START_TIMEOUT_S)
             runs["A"] = run_and_record({"settings": settings})
             runs["B"] = run_and_record({"settings": settings})
-            runs["C"] = run_and_record({"settings": {**settings, "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4"]}})
+            runs["C"] = run_and_record({"settings": {**settings, "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4", "ppo.critic_lr=2e-4"]}})
         yield Scenario(project=project, tracking_uri=mlflow_server, runs=runs)
     finally:
         stop_server(server)

@@ -22,7 +22,8 @@ from rlhf_core.data.prepare import load_split
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.stages.evaluate import run_evaluate
-from rlhf_core.stages.ppo import load_ppo_models, run_ppo
+from rlhf_core.stages.ppo import copy_best_policy, load_ppo_models, run_ppo
+from rlhf_core.stages.training_run import model_dir_sha256
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,6 +123,19 @@ def test_unfinished_inputs_are_refused(inputs: StageInputs, tmp_path: Path) -> N
     unfinished.mkdir()
     with pytest.raises(FileNotFoundError, match="not a completed stage output"):
         run_ppo(tiny_config(), inputs.data_dir, inputs.sft_dir, unfinished, tmp_path / "ppo")
+
+
+@pytest.mark.parametrize("chosen_step", [0, 3])
+def test_the_start_is_handed_on_as_the_sft_models_own_files(tmp_path: Path, chosen_step: int) -> None:
+    """Step 0 hands on the SFT model's bytes (so it hashes as the SFT model, even where a re-save would
+    differ); a later step hands on checkpoints/best/."""
+    sft_model, best = tmp_path / "sft" / "model", tmp_path / "checkpoints" / "best"
+    for directory, weights in ((sft_model, b"sft weights"), (best, b"re-saved weights")):
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(weights)
+    copy_best_policy(tmp_path / "checkpoints", tmp_path / "model", chosen_step, sft_model)
+    handed_on = sft_model if chosen_step == 0 else best
+    assert model_dir_sha256(tmp_path / "model") == model_dir_sha256(handed_on)
 
 
 def rlhf_ppo(inputs: StageInputs, out: Path) -> subprocess.Popen[str]:

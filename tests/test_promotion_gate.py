@@ -25,6 +25,7 @@ from tasks.promotion import (
     registered_version,
     reward_judge_choice,
 )
+from tasks.promotion_evidence import identical_models_evidence
 from tasks.registry import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
 
 
@@ -144,6 +145,20 @@ def test_a_run_without_the_guard_is_reported_as_guard_disabled_never_as_no_colla
     assert check.describe() == "no_collapse = guard disabled (guard_enabled == 1 and guard_stopped == 0): FAIL"
     result = PromotionResult(decision="rejected", model="rlhf-policy", checks=[check], message="rejected")
     assert "| no_collapse | guard disabled | guard_enabled == 1 and guard_stopped == 0 | FAIL |" in result.markdown()
+
+
+def test_identical_models_never_pass_the_gate_however_permissive_its_bounds() -> None:
+    """A challenger whose content is its baseline's ties on every pair: bounds that a tie passes still do
+    not make it a win."""
+    permissive = PromotionConfig(min_lc_win_rate_low=0.4, min_win_minus_loss_low=-0.5)
+    evidence = identical_models_evidence("ab" * 32)
+    checks = by_name(gate_checks(permissive, evidence.metrics, GOOD_TRAINING))
+    assert checks["lc_win_rate_low"].passed and checks["win_minus_loss_low"].passed  # a tie, within these bounds
+    assert not checks["differs_from_baseline"].passed
+    assert checks["differs_from_baseline"].describe() == (
+        "differs_from_baseline = identical models, not evaluated (content differs from the baseline's): FAIL"
+    )
+    assert "differs_from_baseline" not in by_name(gate_checks(permissive, GOOD_EVALUATION, GOOD_TRAINING))
 
 
 def test_the_bounds_come_from_the_promotion_section() -> None:

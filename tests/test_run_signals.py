@@ -159,3 +159,15 @@ def test_ctrl_c_at_a_terminal_stops_within_10_s_and_the_flow_run_is_marked_on_it
     ((_, state, messages),) = flow_runs(tmp_path / "prefect-home")
     assert state == "CRASHED"  # the server outlived the Ctrl-C until the run was marked on it
     assert any(message.startswith("stopped by SIGINT during stage sft") for message in messages), messages
+
+
+def test_sigterm_while_the_judge_trains_beside_sft_stops_its_process_too(tmp_path: Path) -> None:
+    """The judge reward model trains in a process of its own beside SFT (flows/pipeline.py): SIGTERM to the
+    command alone (not its group) must stop that process as well, within the same bound."""
+    data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
+    command = [*run_command(data, "sft"), "--stage", "judge-reward", "-s", "reward.max_steps=200"]
+    start_and_stop(command, tmp_path, "*/sft", signal.SIGTERM, to_group=False)  # no process of its group left
+    ((_, state, messages),) = flow_runs(tmp_path / "prefect-home")
+    assert state == "CRASHED"
+    assert any(message.startswith("stopped by SIGTERM during stage sft") for message in messages), messages
+    assert any(message.startswith("stage 3/3: judge-reward (beside sft)") for message in messages), messages

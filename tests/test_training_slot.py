@@ -9,6 +9,7 @@ test_ablation_kill_resume.py) check that a killed run's slot does not stop the r
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import json
 import logging
@@ -20,7 +21,7 @@ import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
 from tasks import concurrency
-from tasks.concurrency import training_lock, training_slot
+from tasks.concurrency import shared_training_slot, training_lock, training_slot
 
 WAIT_POLLS = 400  # of 50 ms: how long a test waits for the other thread before it fails instead of hanging
 
@@ -90,3 +91,28 @@ def test_without_a_prefect_server_the_slot_is_the_lock_under_prefect_home(tmp_pa
         with training_slot("sft", "rlhf-training-test-host"):
             assert is_locked(tmp_path / "rlhf-training-test-host.lock")
     assert not is_locked(tmp_path / "rlhf-training-test-host.lock")
+
+
+def test_stages_of_one_run_that_train_at_once_share_one_slot_until_the_run_gives_it_back(tmp_path: Path) -> None:
+    """Inside `shared_training_slot` the first stage to train takes the lock, a stage training beside it (in
+    another thread, with a copy of the context) joins it instead of waiting, and the lock is held until the
+    block ends, not only while a stage trains."""
+    name = "rlhf-training-shared-host"
+    lock = tmp_path / f"{name}.lock"
+    inside: list[str] = []
+    with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_HOME: str(tmp_path)}):
+        with shared_training_slot(name):
+            assert not is_locked(lock)  # nothing trains yet: nothing taken (a cached stage takes nothing)
+            with training_slot(name):
+                inside.append("main line")
+                beside = threading.Thread(target=contextvars.copy_context().run, args=(_train, name, inside))
+                beside.start()
+                beside.join(timeout=WAIT_POLLS * 0.05)
+            assert inside == ["main line", "beside"]  # it joined the slot the main line holds
+            assert is_locked(lock)  # still the run's until the block ends
+        assert not is_locked(lock)
+
+
+def _train(name: str, inside: list[str]) -> None:
+    with training_slot(name):
+        inside.append("beside")

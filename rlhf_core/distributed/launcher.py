@@ -35,6 +35,7 @@ WORKER_MODULE = "rlhf_core.stages.worker"
 POLL_SECONDS = 0.2
 TAIL_LINES = 40
 LineCallback = Callable[[int | None, str], None]  # (rank, or None for the launcher itself; line)
+StopCheck = Callable[[], bool]  # polled while a launch runs: true stops it
 
 
 class RankFailedError(RuntimeError):
@@ -70,9 +71,17 @@ class Launch:
         return self.log_dir / "launcher.log"
 
 
+class LaunchStoppedError(RuntimeError):
+    """A launch stopped on request (`run_launch`'s `stop`): its processes were terminated."""
+
+
 def launcher_command(spec: Launch) -> list[str]:
-    """The `deepspeed` launcher command line (run with this interpreter: `-m deepspeed.launcher.runner`)."""
+    """The `deepspeed` launcher command line (run with this interpreter: `-m deepspeed.launcher.runner`);
+    a world of one process needs no launcher (nor its 10-20 s import of deepspeed): the module runs directly,
+    its output in the launcher's log."""
     distributed = spec.distributed
+    if distributed.world_size == 1:
+        return [sys.executable, "-u", "-m", spec.module, *spec.args]
     command = [
         sys.executable,
         "-u",
@@ -124,11 +133,14 @@ def _rank_of_log(path: Path) -> int:
 
 
 def _follow(
-    process: subprocess.Popen[bytes], spec: Launch, on_line: LineCallback
+    process: subprocess.Popen[bytes], spec: Launch, on_line: LineCallback, stop: StopCheck | None = None
 ) -> dict[int | None, _LogFollower]:
-    """Stream every log line until the launcher exits; returns the followers (each holds its lines)."""
+    """Stream every log line until the launcher exits; returns the followers (each holds its lines).
+    Raises `LaunchStoppedError` as soon as `stop()` is true."""
     followers: dict[int | None, _LogFollower] = {None: _LogFollower(spec.launcher_log, None)}
     while True:
+        if stop is not None and stop():
+            raise LaunchStoppedError(f"launch of {spec.module} {' '.join(spec.args[:1])} stopped on request")
         finished = process.poll() is not None
         for path in spec.rank_log_dir.glob("*_rank*.log"):
             rank = _rank_of_log(path)
@@ -146,7 +158,8 @@ def _failure(spec: Launch, returncode: int, followers: dict[int | None, _LogFoll
     errors = read_rank_errors(spec.error_dir)
     if errors:
         first = errors[0]
-        tail = followers[first.rank].lines[-TAIL_LINES:] if first.rank in followers else []
+        follower = followers.get(first.rank, followers[None])  # a world of one logs to the launcher's log
+        tail = follower.lines[-TAIL_LINES:]
         message = (
             f"rank {first.rank} of {world} failed: {first.error_type}: {first.message}\n"
             f"--- last lines of rank {first.rank} (all logs: {spec.log_dir}) ---\n" + "\n".join(tail)
@@ -161,11 +174,11 @@ def _failure(spec: Launch, returncode: int, followers: dict[int | None, _LogFoll
     return RankFailedError(message, None, None, tail)
 
 
-def run_launch(spec: Launch, on_line: LineCallback) -> None:
+def run_launch(spec: Launch, on_line: LineCallback, stop: StopCheck | None = None) -> None:
     """Run `spec` to completion, streaming log lines to `on_line`; raise `RankFailedError` on failure.
 
-    If this process is interrupted (or `on_line` raises), the launcher is terminated, which makes it
-    kill every rank.
+    If this process is interrupted (or `on_line` raises, or `stop()` turns true: another stage of the
+    same pipeline run failed), the launcher is terminated, which makes it kill every rank.
     """
     spec.rank_log_dir.mkdir(parents=True, exist_ok=True)
     spec.error_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +188,7 @@ def run_launch(spec: Launch, on_line: LineCallback) -> None:
             launcher_command(spec), stdout=launcher_output, stderr=subprocess.STDOUT, env=env
         )
         try:
-            followers = _follow(process, spec, on_line)
+            followers = _follow(process, spec, on_line, stop)
         except BaseException:
             process.terminate()
             process.wait()
@@ -200,8 +213,11 @@ def launch_stage(
     data_dir: Path,
     sft_dir: Path | None = None,
     rm_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    stop: StopCheck | None = None,
 ) -> None:
-    """Run a training stage (`sft`, `reward`, `ppo`) on `config.distributed`'s processes into `out_dir`.
+    """Run a training stage (`sft`, `reward`, `ppo`, `judge-reward`) on `config.distributed`'s processes into
+    `out_dir`, with `env` added to their environment (their thread count, say); `stop` as in `run_launch`.
 
     The resolved config is written next to the logs, under `out_dir/logs/launch-*/`.
     """
@@ -214,6 +230,5 @@ def launch_stage(
         args += ["--sft-dir", str(sft_dir)]
     if rm_dir is not None:
         args += ["--rm-dir", str(rm_dir)]
-    run_launch(
-        Launch(module=WORKER_MODULE, args=args, distributed=config.distributed, log_dir=log_dir), on_line
-    )
+    spec = Launch(module=WORKER_MODULE, args=args, distributed=config.distributed, log_dir=log_dir, env=env or {})
+    run_launch(spec, on_line, stop)

@@ -8,7 +8,9 @@ Outputs in `out_dir`:
 
     model/            the selected validated policy (rlhf_core/ppo/selection.py: the latest within the KL
                       bound unless an earlier one is better by two paired standard errors), in
-                      Hugging Face format with chat template and an end-of-turn generation config
+                      Hugging Face format with chat template and an end-of-turn generation config;
+                      when the selection hands on the start (step 0), a copy of the SFT model's files,
+                      so it hashes as the SFT model does
     metrics.json      headline figures, written LAST: the stage is complete iff it exists
     history.jsonl     every monitor, one line per iteration; step 0 validates the SFT policy
     samples.jsonl     sample prompts and responses every `ppo.sample_table_every` iterations
@@ -207,9 +209,12 @@ def selection_record(result: FitResult, prompt_ids: list[str]) -> dict[str, obje
     }
 
 
-def copy_best_policy(checkpoint_dir: Path, model_dir: Path) -> None:
-    """Install `checkpoints/best/` as the stage's `model/`, atomically."""
-    best = checkpoint_dir / BEST_DIR
+def copy_best_policy(checkpoint_dir: Path, model_dir: Path, chosen_step: int, sft_model_dir: Path) -> None:
+    """Install the chosen policy as the stage's `model/`, atomically: `checkpoints/best/`, or, when the
+    selection handed on the start (step 0), the SFT model's own files. The start is the SFT model, and its
+    bytes (not a re-save, whose dtype or file layout may differ) make `model/` hash as the SFT model does,
+    which is how the pipeline knows not to evaluate the two against each other (flows/pipeline.py)."""
+    best = sft_model_dir if chosen_step == 0 else checkpoint_dir / BEST_DIR
     if not best.is_dir():
         raise FileNotFoundError(f"{best} is missing: the run has no validated policy to hand on")
     with atomic_directory(model_dir) as temporary:
@@ -262,7 +267,7 @@ def run_ppo(
             result = fit(trainer, out_dir / CHECKPOINTS_DIR)
             return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / MODEL_DIR)
         result = _fit_logged(trainer, config, out_dir, logger)
-        return _write_outputs(result, trainer, rm_dir, out_dir, time.perf_counter() - started)
+        return _write_outputs(result, trainer, sft_dir, rm_dir, out_dir, time.perf_counter() - started)
 
 
 def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path) -> PPOTrainer:
@@ -301,11 +306,13 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
         samples.close()
 
 
-def _write_outputs(result: FitResult, trainer: PPOTrainer, rm_dir: Path, out_dir: Path, seconds: float) -> StageResult:
+def _write_outputs(
+    result: FitResult, trainer: PPOTrainer, sft_dir: Path, rm_dir: Path, out_dir: Path, seconds: float
+) -> StageResult:
     """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")
-    copy_best_policy(out_dir / CHECKPOINTS_DIR, out_dir / MODEL_DIR)
+    copy_best_policy(out_dir / CHECKPOINTS_DIR, out_dir / MODEL_DIR, result.selection.step, sft_dir / MODEL_DIR)
     prune_validated(out_dir / CHECKPOINTS_DIR, result.selection.step)
     selection = selection_record(result, trainer.validator.prompt_names)
     atomic_write_text(out_dir / SELECTION_FILE, json.dumps(selection, indent=2) + "\n")

@@ -29,7 +29,7 @@ from rlhf_core.stages.result import StageResult
 from rlhf_core.training.host_allocator import keep_freed_memory
 
 log = logging.getLogger(__name__)
-STAGES = ("sft", "reward", "ppo")
+STAGES = ("sft", "reward", "ppo", "judge-reward")
 LOG_LEVEL_ENV = "RLHF_LOG_LEVEL"
 
 
@@ -66,6 +66,10 @@ def run_stage(args: argparse.Namespace) -> StageResult:
         from rlhf_core.stages.reward import run_train_rm
 
         return run_train_rm(config, args.data_dir, args.sft_dir, args.out)
+    if args.stage == "judge-reward":  # one process, beside SFT and the reward model (flows/pipeline.py)
+        from rlhf_core.stages.judge_reward import run_judge_rm
+
+        return run_judge_rm(config, args.data_dir, args.out)
     if args.sft_dir is None or args.rm_dir is None:
         raise ValueError("the ppo stage needs --sft-dir and --rm-dir")
     from rlhf_core.stages.ppo import run_ppo

@@ -2,7 +2,7 @@
 
 `--fail-rank R --message M`: rank R raises ValueError(M) (recorded for the launcher); every other rank
 waits until rank R's error record exists and then raises a secondary error of its own, unless the
-launcher kills it first.
+launcher kills it first (a rank that waits for a rank beyond the world waits a minute: a long launch to stop).
 """
 
 import argparse
@@ -21,6 +21,7 @@ def main() -> None:
     args = parser.parse_args()
     context = rank_context()
     print(f"hello from rank {context.rank} of {context.world_size}", flush=True)
+    print(f"pid {os.getpid()}", flush=True)
     with recording_rank_errors():
         if context.rank == args.fail_rank:
             raise ValueError(args.message)
