@@ -102,13 +102,18 @@ def acquire_lock(path: Path, stage: str, wait: bool = False) -> HeldLock:
         stage=stage,
     )
     try:
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, json.dumps(asdict(holder)).encode(), 0)
+        write_holder(descriptor, holder)
     except BaseException:  # a full or read-only file system: leave no descriptor or lock file behind
         path.unlink(missing_ok=True)
         os.close(descriptor)
         raise
     return HeldLock(path, descriptor, holder, previous)
+
+
+def write_holder(descriptor: int, holder: LockHolder) -> None:
+    """Replace the record in an open lock file with `holder`'s."""
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, json.dumps(asdict(holder)).encode(), 0)
 
 
 def read_holder(descriptor: int) -> LockHolder | None:

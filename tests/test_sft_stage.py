@@ -183,8 +183,8 @@ def command_env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_rlhf_sft_command_with_stderr_in_a_file(multi_turn_data_dir: Path, tmp_path: Path) -> None:
-    """The summary on stdout, nothing on the redirected stderr: DeepSpeed's warning is in the log file the
-    command names, transformers' "Writing model shards" bar is off (issue 31)."""
+    """The summary on stdout, nothing on the redirected stderr: DeepSpeed does not warn, transformers'
+    "Writing model shards" bar is off, other libraries' messages are in the log file the command names (issue 31)."""
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("w") as stderr:
         result = subprocess.run(
@@ -200,10 +200,12 @@ def test_rlhf_sft_command_with_stderr_in_a_file(multi_turn_data_dir: Path, tmp_p
     assert "sft: trained 2 steps" in result.stdout and "held-out reply perplexity" in result.stdout
     assert json.loads((tmp_path / "sft" / "metrics.json").read_text())["steps"] == 2
     assert stderr_file.read_text() == ""
-    (log_line,) = [line for line in result.stdout.splitlines() if line.startswith("other libraries' messages")]
-    log = tmp_path / log_line.rsplit(": ", 1)[1]
-    assert log.parent == tmp_path / "runs" / "logs" and log.name.startswith("rlhf-sft-")
-    assert "WARNING DeepSpeed: Setting accelerator to CPU" in log.read_text()
+    # DS_ACCELERATOR=cpu keeps DeepSpeed from warning at all here (rlhf_cli/quiet_libraries.py); any other
+    # library message goes to the log file the summary names
+    assert "Setting accelerator" not in result.stdout
+    for log_line in [line for line in result.stdout.splitlines() if line.startswith("other libraries' messages")]:
+        log = tmp_path / log_line.rsplit(": ", 1)[1]
+        assert log.parent == tmp_path / "runs" / "logs" and log.name.startswith("rlhf-sft-")
 
 
 @pytest.mark.slow

@@ -161,12 +161,12 @@ def test_a_disk_full_without_a_file_name_still_names_the_output(
 ) -> None:
     """Simulated, for machines that cannot mount a tmpfs: the output lock's write of its holder record
     (`os.write`) fails as a full disk does, with no file name."""
-    import rlhf_core.output_lock
+    import rlhf_core.file_lock
 
     def disk_full(descriptor: int, holder: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(rlhf_core.output_lock, "_write_holder", disk_full)
+    monkeypatch.setattr(rlhf_core.file_lock, "write_holder", disk_full)
     status, stderr = run_main(prepare_data_into(tmp_path / "data", pairs_file), monkeypatch, capsys)
     assert status == 1
     assert stderr.splitlines() == [f"rlhf: error: cannot write {tmp_path / 'data'}: no space left on device"]
