@@ -52,12 +52,15 @@ def write_ppo_output(directory: Path, kl_per_step: float, reward_per_step: float
     return metrics
 
 
-def write_eval_output(directory: Path, win_minus_loss: float) -> dict:
+def write_eval_output(directory: Path, win_minus_loss: float, lc_win_rate: float) -> dict:
     directory.mkdir(parents=True)
     metrics = {
         "win_minus_loss": win_minus_loss, "win_minus_loss_low": win_minus_loss - 0.1,
         "win_minus_loss_high": win_minus_loss + 0.1, "score_diff_mean": -0.5, "score_diff_low": -0.7,
         "score_diff_high": -0.3, "judge_in_sample": 0.0, "wall_time_s": 30.0,
+        "lc_win_rate": lc_win_rate, "lc_win_rate_low": lc_win_rate - 0.05, "lc_win_rate_high": lc_win_rate + 0.05,
+        "length_matched/win_minus_loss": win_minus_loss / 2, "length_matched/win_minus_loss_low": -0.3,
+        "length_matched/win_minus_loss_high": 0.4, "length_matched/valid_pairs": 61.0, "length_ratio": 0.8,
     }  # fmt: skip
     (directory / "metrics.json").write_text(json.dumps(metrics))
     return metrics
@@ -65,9 +68,9 @@ def write_eval_output(directory: Path, win_minus_loss: float) -> dict:
 
 def test_rows_and_report_hold_each_variants_own_figures(tmp_path: Path) -> None:
     vanilla_ppo = write_ppo_output(tmp_path / "vanilla" / "ppo", kl_per_step=0.14, reward_per_step=0.5, steps=5, stop=True)
-    vanilla_eval = write_eval_output(tmp_path / "vanilla" / "eval", win_minus_loss=-0.4)
+    vanilla_eval = write_eval_output(tmp_path / "vanilla" / "eval", win_minus_loss=-0.4, lc_win_rate=0.5)
     stable_ppo = write_ppo_output(tmp_path / "ppo_max" / "ppo", kl_per_step=0.01, reward_per_step=0.1, steps=8, stop=False)
-    stable_eval = write_eval_output(tmp_path / "ppo_max" / "eval", win_minus_loss=0.25)
+    stable_eval = write_eval_output(tmp_path / "ppo_max" / "eval", win_minus_loss=0.25, lc_win_rate=0.6)
     files = [
         VariantFiles("vanilla", "vanilla", tmp_path / "vanilla" / "ppo", tmp_path / "vanilla" / "eval"),
         VariantFiles("ppo_max", "ppo_max", tmp_path / "ppo_max" / "ppo", tmp_path / "ppo_max" / "eval"),
@@ -86,6 +89,11 @@ def test_rows_and_report_hold_each_variants_own_figures(tmp_path: Path) -> None:
         assert (row.judge_win_minus_lose.mean, row.judge_win_minus_lose.low, row.judge_win_minus_lose.high) == (
             eval_metrics["win_minus_loss"], eval_metrics["win_minus_loss_low"], eval_metrics["win_minus_loss_high"]
         )
+        assert (row.lc_win_rate.mean, row.lc_win_rate.low, row.lc_win_rate.high) == (
+            eval_metrics["lc_win_rate"], eval_metrics["lc_win_rate_low"], eval_metrics["lc_win_rate_high"]
+        )
+        assert row.length_matched_win_minus_lose.mean == eval_metrics["length_matched/win_minus_loss"]
+        assert (row.length_matched_pairs, row.length_ratio) == (61, 0.8)
         assert row.ppo_minutes == ppo_metrics["wall_time_s"] / 60 and row.eval_minutes == 0.5
     assert (rows[0].guard_stop_step, rows[0].guard_reason) == (5, GUARD_MESSAGE.split(": ", 1)[1])
     assert rows[1].guard_stop_step is None and rows[2].error == "Failed: out of memory"
@@ -100,6 +108,8 @@ def test_rows_and_report_hold_each_variants_own_figures(tmp_path: Path) -> None:
     assert "over-optimisation signature: `vanilla`." in markdown  # reward up, judge interval below 0
     assert "Held-out gain over the SFT policy beyond chance (95% interval above 0): `vanilla`, `ppo_max`." in markdown
     assert "`broken` failed: Failed: out of memory" in markdown
+    assert "| 0.600 (0.550 to 0.650) | +12.5% (-30.0% to +40.0%), n=61 | 0.8 |" in markdown  # ppo_max's LC cells
+    assert "win rate vs SFT above 0.5 beyond chance (95% interval above 0.5): `ppo_max`." in markdown
 
     flat = flat_rows(rows)
     assert flat[1]["judge_win_minus_lose_mean"] == stable_eval["win_minus_loss"] and flat[2]["final_kl"] is None

@@ -11,6 +11,9 @@ judge's verdicts against the SFT start). A row holds, per variant:
   held-out PPO prompts, with its 95% interval (`val/reward_gain`, `_low`, `_high`);
 - the judge's win rate minus lose rate against the SFT model on the evaluation prompts, with its 95%
   paired bootstrap interval (`win_minus_loss`, `_low`, `_high`), and its mean score difference;
+- what length cannot fake (issue 27, docs/evaluation.md): the length-controlled win rate with its
+  interval (`lc_win_rate`, `_low`, `_high`), the judge's win - lose on the length-matched pairs and
+  their count (`length_matched/...`), and the evaluation-time length ratio, variant over SFT;
 - where the collapse guard stopped the run and why (None: it ran to the end);
 - minutes: the PPO stage's and the evaluation's wall time (a resumed run counts only its last part);
 - each Figure 4 monitor at the first and the last iteration.
@@ -76,6 +79,10 @@ class ComparisonRow(BaseModel):
     judge_win_minus_lose: Interval | None = None
     judge_score_diff: Interval | None = None
     judge_in_sample: bool | None = None
+    lc_win_rate: Interval | None = None
+    length_matched_win_minus_lose: Interval | None = None
+    length_matched_pairs: int | None = None
+    length_ratio: float | None = None
     guard_stop_step: int | None = None
     guard_reason: str | None = None
     ppo_minutes: float | None = None
@@ -142,6 +149,10 @@ def evaluation_figures(eval_dir: Path) -> dict[str, object]:
         "judge_win_minus_lose": interval(metrics, "win_minus_loss"),
         "judge_score_diff": _score_diff(metrics),
         "judge_in_sample": bool(metrics["judge_in_sample"]) if "judge_in_sample" in metrics else None,
+        "lc_win_rate": interval(metrics, "lc_win_rate"),
+        "length_matched_win_minus_lose": interval(metrics, "length_matched/win_minus_loss"),
+        "length_matched_pairs": _integer(metrics, "length_matched/valid_pairs"),
+        "length_ratio": metrics.get("length_ratio"),
         "eval_minutes": metrics["wall_time_s"] / SECONDS_PER_MINUTE if "wall_time_s" in metrics else None,
     }
 

@@ -75,29 +75,38 @@ def plot_monitors(results: Sequence[VariantResult], path: Path | str, title: str
     return _save(figure, Path(path))
 
 
-def _interval_panel(axes, rows: Sequence[ComparisonRow], values: Sequence[Interval | None], label: str) -> None:
-    """Horizontal error bars, first variant on top; variants without the figure are labelled n/a."""
+def _interval_panel(
+    axes, rows: Sequence[ComparisonRow], values: Sequence[Interval | None], label: str, even: float = 0.0
+) -> None:
+    """Horizontal error bars, first variant on top, a line at `even` (no difference); variants without
+    the figure are labelled n/a."""
     positions = list(range(len(rows)))[::-1]
     for number, (position, value) in enumerate(zip(positions, values)):
         if value is None:
-            axes.text(0.0, position, " n/a", ha="left", va="center", fontsize=8)
+            axes.text(even, position, " n/a", ha="left", va="center", fontsize=8)
             continue
         error = [[value.mean - value.low], [value.high - value.mean]]
         axes.errorbar(value.mean, position, xerr=error, fmt="o", capsize=4, color=colour(number))
-    axes.axvline(0.0, color="0.5", linewidth=0.8)
+    axes.axvline(even, color="0.5", linewidth=0.8)
     axes.set_yticks(positions, [row.variant for row in rows])
     axes.set_xlabel(label)
     axes.grid(alpha=0.3, axis="x")
 
 
 def plot_outcomes(rows: Sequence[ComparisonRow], path: Path | str, title: str) -> Path:
-    """Held-out gain and judge win minus lose vs the SFT model, each variant with its 95% interval."""
-    figure = Figure(figsize=(11.0, 1.6 + 0.45 * max(len(rows), 1)), dpi=100)
+    """Held-out gain, judge win minus lose and the length-controlled win rate vs the SFT model, each
+    variant with its 95% interval."""
+    figure = Figure(figsize=(15.0, 1.6 + 0.45 * max(len(rows), 1)), dpi=100)
     FigureCanvasAgg(figure)
-    gain_axes = figure.add_subplot(1, 2, 1)
+    gain_axes = figure.add_subplot(1, 3, 1)
     _interval_panel(gain_axes, rows, [row.held_out_gain for row in rows], "held-out reward gain over SFT (paired, 95% CI)")
-    judge_axes = figure.add_subplot(1, 2, 2)
+    judge_axes = figure.add_subplot(1, 3, 2)
     _interval_panel(judge_axes, rows, [row.judge_win_minus_lose for row in rows], "judge win - lose vs SFT (95% CI)")
     judge_axes.set_xlim(-1.05, 1.05)  # a difference of two rates
+    controlled_axes = figure.add_subplot(1, 3, 3)
+    _interval_panel(
+        controlled_axes, rows, [row.lc_win_rate for row in rows], "length-controlled win rate vs SFT (95% CI)", even=0.5
+    )
+    controlled_axes.set_xlim(-0.05, 1.05)
     figure.suptitle(f"{title}: outcomes per variant", fontsize=10)
     return _save(figure, Path(path))

@@ -3,7 +3,7 @@
     comparison.json   every row (comparison.ComparisonRow), the base and the title
     comparison.md     the summary (summary.summary_markdown)
     monitors.png      the Figure 4 monitors of every variant overlaid (plots.plot_monitors)
-    outcomes.png      held-out gain and judge win - lose with intervals (plots.plot_outcomes)
+    outcomes.png      held-out gain, judge win - lose and LC win rate with intervals (plots.plot_outcomes)
 
 Each file is written atomically; the directory may be rewritten by the next run of the same ablation.
 """

@@ -28,6 +28,19 @@ def signed_interval(value: Interval | None, percent: bool = False) -> str:
     return f"{value.mean:{spec}} ({value.low:{spec}} to {value.high:{spec}})"
 
 
+def rate_interval(value: Interval | None) -> str:
+    """`0.518 (0.491 to 0.550)`: a rate whose even point is 0.5, not 0."""
+    if value is None:
+        return NOT_AVAILABLE
+    return f"{value.mean:.3f} ({value.low:.3f} to {value.high:.3f})"
+
+
+def length_matched_cell(row: ComparisonRow) -> str:
+    if row.length_matched_win_minus_lose is None:
+        return NOT_AVAILABLE
+    return f"{signed_interval(row.length_matched_win_minus_lose, percent=True)}, n={row.length_matched_pairs}"
+
+
 def guard_cell(row: ComparisonRow) -> str:
     if row.guard_stop_step is None:
         return "—"
@@ -46,17 +59,19 @@ def comparison_table(rows: Sequence[ComparisonRow]) -> str:
     """The main table: one row per variant."""
     columns = (
         "variant", "settings", "final KL", "selected policy KL (step)", "held-out gain over SFT (95% CI)",
-        "judge win − lose vs SFT (95% CI)", "guard stop", "minutes",
+        "judge win − lose vs SFT (95% CI)", "length-controlled win rate vs SFT (95% CI)",
+        "length-matched win − lose (95% CI, pairs)", "reply length / SFT", "guard stop", "minutes",
     )  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if row.error is not None:
-            lines.append(f"| {row.variant} | {row.settings} | failed: {row.error} | | | | | |")
+            lines.append(f"| {row.variant} | {row.settings} | failed: {row.error} |" + " |" * (len(columns) - 3))
             continue
         selected = f"{number(row.selected_kl)} ({row.selected_step})" if row.selected_step is not None else NOT_AVAILABLE
         lines.append(
             f"| {row.variant} | {row.settings} | {number(row.final_kl)} | {selected} | "
             f"{signed_interval(row.held_out_gain)} | {signed_interval(row.judge_win_minus_lose, percent=True)} | "
+            f"{rate_interval(row.lc_win_rate)} | {length_matched_cell(row)} | {number(row.length_ratio)} | "
             f"{guard_cell(row)} | {minutes_cell(row)} |"
         )
     return "\n".join(lines) + "\n"
@@ -94,6 +109,14 @@ def findings(rows: Sequence[ComparisonRow]) -> list[str]:
     if judged:
         best = max(judged, key=lambda row: row.judge_win_minus_lose.mean)  # type: ignore[union-attr]
         items.append(f"Highest judge win − lose vs SFT: `{best.variant}` {signed_interval(best.judge_win_minus_lose, percent=True)}.")
+    controlled = [row for row in done if row.lc_win_rate is not None]
+    if controlled:
+        beyond = [row.variant for row in controlled if row.lc_win_rate.low > 0.5]  # type: ignore[union-attr]
+        items.append(
+            "Length-controlled win rate vs SFT above 0.5 beyond chance (95% interval above 0.5): "
+            + (", ".join(f"`{name}`" for name in beyond) or "none")
+            + "."
+        )
     signature = [row.variant for row in done if over_optimised(row)]
     if signature:
         items.append(
