@@ -27,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the sweep's library: tests/fixtures
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPOSITORY), str(REPOSITORY / "tests")]  # this checkout's code, and the sweep's library
 
-from fixtures.kill_sweep import Project, choose_points, run_order  # noqa: E402
+from fixtures.kill_sweep import Project, choose_points, run_order, write_data  # noqa: E402
 from fixtures.kill_sweep_runs import SweepResult, reference_run, sweep_point  # noqa: E402
 
 
@@ -47,14 +48,15 @@ def main() -> int:
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="kill-sweep-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        reference, timeline = reference_run(Project(workdir / "reference"))
+        data = write_data(workdir)
+        reference, timeline = reference_run(Project(workdir / "reference", data))
         print(f"uninterrupted run: {timeline.wall_s:.0f} s; stages at", flush=True)
         print("  " + ", ".join(f"{stage} {offset:.0f} s" for offset, stage in timeline.stage_starts()), flush=True)
         points = choose_points(timeline, args.points, args.seed)
         print(f"{'point':>5}  {'offset':>7}  {'kind':<8}  {'anchor + delay':<24}  {'stage at kill':<14}  outcome")
         results: list[SweepResult] = []
         for point in run_order(points, args.seed):
-            project = Project(workdir / f"point-{point.index:02d}")
+            project = Project(workdir / f"point-{point.index:02d}", data)
             shutil.rmtree(project.root, ignore_errors=True)  # a point an earlier, cut-short sweep began
             try:
                 result = sweep_point(project.create(), point, reference)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.kill_sweep import START, KillPoint, Project, Timeline, choose_points
+from fixtures.kill_sweep import START, KillPoint, Project, Timeline, choose_points, write_data
 from fixtures.kill_sweep_compare import differences, registry_problems, stage_dirs
 from fixtures.kill_sweep_runs import reference_run, sweep_point
 
@@ -23,7 +23,8 @@ def synthetic_timeline() -> Timeline:
     """A run of 140 s announcing the seven stages at 20, 30, 30, 50, 70, 100 and 120 s."""
     offsets = (20.0, 30.0, 30.0, 50.0, 70.0, 100.0, 120.0)
     lines = [(0.5, "Starting temporary server")]
-    lines += [(offset, f"Flow run 'x' - stage {n}/7: {stage}") for n, (offset, stage) in enumerate(zip(offsets, STAGES), 1)]
+    announced = enumerate(zip(offsets, STAGES), 1)
+    lines += [(offset, f"Flow run 'x' - stage {number}/7: {stage}") for number, (offset, stage) in announced]
     return Timeline(lines=lines, returncode=0, wall_s=140.0)
 
 
@@ -64,12 +65,14 @@ def test_differences_name_the_item_and_the_registry_is_checked_on_its_own() -> N
     twice = {"versions": [version, {**version, "version": "2"}], "aliases": {"challenger": "abc"}}
     candidate = {**reference, "models": {**reference["models"], "ppo": {}}, "registry": {"rlhf-policy": twice}}
     assert differences(reference, candidate) == ["models.ppo", "registry.rlhf-policy"]
-    assert registry_problems(candidate["registry"]) == ["rlhf-policy: 2 versions", f"rlhf-policy v2: says it is {identity}"]
+    problems = ["rlhf-policy: 2 versions", f"rlhf-policy v2: says it is {identity}"]
+    assert registry_problems(candidate["registry"]) == problems
 
 
 @pytest.mark.slow  # whole `rlhf run` processes, each with its own Prefect server
 def test_a_run_killed_between_stages_in_evaluation_and_in_registration_reruns_to_the_same_end(tmp_path: Path) -> None:
-    reference, timeline = reference_run(Project(tmp_path / "reference"))
+    data = write_data(tmp_path)
+    reference, timeline = reference_run(Project(tmp_path / "reference", data))
     spans = {stage: offset for offset, stage in timeline.stage_starts()}
     register_s = timeline.wall_s - spans["register"]
     points = [
@@ -77,6 +80,6 @@ def test_a_run_killed_between_stages_in_evaluation_and_in_registration_reruns_to
         KillPoint(2, "evaluate", "evaluate", (spans["register"] - spans["evaluate"]) / 2, 0.0),
         KillPoint(3, "register", "register", register_s / 3, 0.0),
     ]
-    results = [sweep_point(Project(tmp_path / f"point-{p.index}").create(), p, reference) for p in points]
+    results = [sweep_point(Project(tmp_path / f"point-{p.index}", data).create(), p, reference) for p in points]
     assert [result.row() for result in results if not result.matches] == []
     assert all(result.killed.killed for result in results), [result.row() for result in results]
