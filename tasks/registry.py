@@ -136,19 +136,24 @@ def register(
     """Register `output.model_dir` as a new version of `name` (or reuse one with the same content).
 
     The model is logged under the MLflow run `run_id` (the pipeline's `register` stage run); `tags`
-    go on a new version only, so a reused version keeps the lineage of the run that produced it.
+    go on a new version only, so a reused version keeps the lineage of the run that produced it. A policy
+    version's identity (registered_model.json) is written on reuse as well: a run killed between creating
+    the version and writing it (the kill-point sweep, scripts/kill_point_sweep.py) left a version that
+    served as the bare configured name, and the rerun reuses that version.
     """
     if output.model_dir is None:
         raise ValueError(f"stage {output.stage!r} produced no model directory to register")
     existing = find_version(client, name, output.sha256)
     if existing is not None:
         registered = RegisteredVersion(name=name, version=existing.version, alias=alias, reused=True)
+        model_id = existing.model_id
     else:
         info = log_model_in_run(tracking_uri, run_id, output, name)
         created = mlflow.register_model(info.model_uri, name, tags={CONTENT_TAG: output.sha256, **tags})
         registered = RegisteredVersion(name=name, version=created.version, alias=alias)
-        if output.stage == "ppo":
-            record_registered_identity(client, info.model_id, name, registered.version)
+        model_id = info.model_id
+    if output.stage == "ppo" and model_id:  # a reused version too: a run killed before this line left none
+        record_registered_identity(client, model_id, name, registered.version)
     if alias is not None:
         client.set_registered_model_alias(name, alias, registered.version)
     return registered
