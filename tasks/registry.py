@@ -58,6 +58,7 @@ REWARD_SCORER_CODE = Path(__file__).with_name("reward_scorer_code.py")  # the re
 CHAT_POLICY_CODE = Path(__file__).with_name("chat_policy_code.py")  # the policy's models-from-code file
 POLICY_ARTIFACT = "policy"  # the policy pyfunc's artifact: the PPO model directory (tasks/chat_policy.py)
 MODEL_NAME_CONFIG = "registered_name"  # the policy pyfunc's model_config key: the name it is registered as
+LOGGED_MODEL_SCHEME = "models:/"  # a version's source when it was registered from a logged model
 REGISTERED_FILE = "registered_model.json"  # in the logged policy: the name and version it was registered as
 
 
@@ -86,6 +87,15 @@ def find_version(client: MlflowClient, name: str, content_sha256: str) -> ModelV
     """The newest version of `name` registered from content `content_sha256`, if any."""
     versions = client.search_model_versions(f"name = '{name}' and tags.`{CONTENT_TAG}` = '{content_sha256}'")
     return max(versions, key=lambda found: int(found.version), default=None)
+
+
+def logged_model_id(version: ModelVersion) -> str | None:
+    """The id of the logged model a version was registered from: its `model_id`, which a SQLite store does
+    not return, else the id in its source `models:/<id>`; None for a version from a run's artifacts."""
+    if version.model_id:
+        return version.model_id
+    source = version.source or ""
+    return source.removeprefix(LOGGED_MODEL_SCHEME) if source.startswith(LOGGED_MODEL_SCHEME + "m-") else None
 
 
 def log_policy(model_dir: Path, name: str) -> ModelInfo:
@@ -136,19 +146,24 @@ def register(
     """Register `output.model_dir` as a new version of `name` (or reuse one with the same content).
 
     The model is logged under the MLflow run `run_id` (the pipeline's `register` stage run); `tags`
-    go on a new version only, so a reused version keeps the lineage of the run that produced it.
+    go on a new version only, so a reused version keeps the lineage of the run that produced it. A policy
+    version's identity (registered_model.json) is written on reuse as well: a run killed between creating
+    the version and writing it (the kill-point sweep, scripts/kill_point_sweep.py) left a version that
+    served as the bare configured name, and the rerun reuses that version.
     """
     if output.model_dir is None:
         raise ValueError(f"stage {output.stage!r} produced no model directory to register")
     existing = find_version(client, name, output.sha256)
     if existing is not None:
         registered = RegisteredVersion(name=name, version=existing.version, alias=alias, reused=True)
+        model_id = logged_model_id(existing)
     else:
         info = log_model_in_run(tracking_uri, run_id, output, name)
         created = mlflow.register_model(info.model_uri, name, tags={CONTENT_TAG: output.sha256, **tags})
         registered = RegisteredVersion(name=name, version=created.version, alias=alias)
-        if output.stage == "ppo":
-            record_registered_identity(client, info.model_id, name, registered.version)
+        model_id = info.model_id
+    if output.stage == "ppo" and model_id:  # a reused version too: a run killed before this line left none
+        record_registered_identity(client, model_id, name, registered.version)
     if alias is not None:
         client.set_registered_model_alias(name, alias, registered.version)
     return registered

@@ -18,6 +18,7 @@ from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
+from tasks import registry
 from tasks.outputs import StageOutput
 from tasks.registry import CHALLENGER_ALIAS, CONTENT_TAG, register
 from tasks.tracking import get_or_create_experiment, local_artifact_location
@@ -147,6 +148,27 @@ def test_unchanged_content_reuses_the_version_and_new_content_moves_the_alias(
     newer = register(client, uri, run_id, "policy-b", finished_output("ppo", tmp_path), {}, CHALLENGER_ALIAS)
     assert (newer.version, newer.reused) == (str(int(first.version) + 1), False)
     assert str(client.get_model_version_by_alias("policy-b", CHALLENGER_ALIAS).version) == newer.version
+
+
+def test_a_policy_version_left_by_a_run_killed_before_naming_it_is_named_by_the_rerun(
+    store, policy_output: StageOutput, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill between creating the version and writing its registered_model.json (the kill-point sweep,
+    scripts/kill_point_sweep.py): the rerun reuses that version, and it must answer as `name/version`."""
+    client, uri, run_id = store
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt  # the process ends here
+
+    monkeypatch.setattr(registry, "record_registered_identity", killed)
+    with pytest.raises(KeyboardInterrupt):
+        register(client, uri, run_id, "policy-k", policy_output, {}, CHALLENGER_ALIAS)
+    monkeypatch.undo()
+
+    again = register(client, uri, run_id, "policy-k", policy_output, {}, CHALLENGER_ALIAS)
+    assert (again.version, again.reused) == ("1", True)
+    mlflow.set_tracking_uri(uri)
+    assert mlflow.pyfunc.load_model(again.uri).predict(CHAT_REQUEST)["model"] == "policy-k/1"
 
 
 def test_reward_model_scores_like_the_reward_model_itself(
