@@ -7,7 +7,8 @@ options (`--config`, `-s`, `--params`, `--runs-dir`).
 They run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
 Prefect starts a temporary server of its own, which inherits this process's environment and reads its
 settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
-1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
+1. sets TEMPORARY_SERVER_SETTINGS and Prefect's client retries (tasks/service_outages.py), each unless
+   the user set it;
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
 3. imports Prefect, whose console handler the next step must find, and
 4. registers the temporary server Prefect will start (rlhf_cli/temporary_server.py),
@@ -82,6 +83,9 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     working directory's default store).
     """
     use_temporary_server_settings()
+    from tasks.service_outages import use_client_retry_settings
+
+    use_client_retry_settings()  # Prefect's client waits for its server as long as MLflow's does
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 
     check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
