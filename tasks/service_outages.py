@@ -11,8 +11,9 @@ where it was (tests/test_service_outages.py stops each server mid-stage and star
 
 A server that stays away longer fails the stage with the client's error. Retrying the stage would only wait the
 same minutes again (and an attempt that cannot reach MLflow cannot even open its run), so such a failure is not
-retried (tasks/retries.py), and the MLflow run of a stage or pipeline is not closed on a tracking server that is
-gone (tasks/mlflow_runs.py): that would wait the minutes once more, to fail; the run stays RUNNING there. The
+retried (tasks/retries.py), and no failed MLflow run (of that stage, of a stage stopped beside it, of the
+pipeline) is closed on a tracking server that is gone (tasks/mlflow_runs.py): that would wait the minutes once
+more, to fail; the run stays RUNNING there. The
 command then ends with `lost_service_line`, one line naming the service and its URL. The interrupted stage has
 no metrics.json (it is incomplete by the project's rule) and the same command run again reuses the finished
 stages and resumes that one from its newest checkpoint (tasks/resume.py).
@@ -60,6 +61,16 @@ def lost_tracking_server(error: BaseException) -> str | None:
             if found and unreachable:
                 return found.group(1)
     return None
+
+
+def tracking_server_gone(tracking_uri: str) -> bool:
+    """True when `tracking_uri` is a server that does not answer its health check now (a few seconds): closing a
+    failed run there would wait the client's minutes, to fail. A local store (SQLite) is never gone."""
+    from tasks.preflight import HTTP_SCHEMES, PROBE_TIMEOUT_S, Service, probe
+
+    if not tracking_uri.startswith(HTTP_SCHEMES):
+        return False
+    return probe(Service("MLflow tracking server", tracking_uri, "", probe_path="/health"), PROBE_TIMEOUT_S) is not None
 
 
 def lost_prefect_api(error: BaseException) -> str | None:

@@ -239,6 +239,7 @@ def test_mlflow_giving_up_on_its_server_is_one_line_naming_it_and_closes_nothing
     line = lost_service_line(raised.value)
     assert line is not None and line.startswith(f"lost the MLflow tracking server at {url}: it stopped answering")
     close_run(client, "0" * 32, raised.value)  # returns at once: no request to a server that is gone
+    close_run(client, "0" * 32, RuntimeError("a stage stopped beside it"))  # the server does not answer: the same
 
 
 def test_a_refused_request_to_the_prefect_api_is_its_line_and_one_elsewhere_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
