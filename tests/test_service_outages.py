@@ -144,9 +144,11 @@ def flow_run_states(api_url: str) -> list[str]:
 
 
 def assert_finished_with_one_version_each(stdout: str, tracking_uri: str) -> dict[str, str]:
-    """Every stage's output complete, one version of each registered model; returns the summary lines."""
+    """Every stage's output complete, one version of each registered model; returns each stage's output directory."""
     lines = summary_lines(stdout)
-    stages = {key.removeprefix("stage "): value.split(" (")[0] for key, value in lines.items() if key.startswith("stage ")}
+    stages = {
+        key.removeprefix("stage "): value.split(" (")[0] for key, value in lines.items() if key.startswith("stage ")
+    }
     assert {"prepare-data", "sft", "reward", "ppo", "evaluate"} <= set(stages)
     assert all((Path(out_dir) / METRICS_FILE).is_file() for out_dir in stages.values())
     versions = registered_versions(tracking_uri)
@@ -216,7 +218,9 @@ def test_a_tracking_server_away_too_long_stops_the_run_in_one_line_and_a_rerun_r
     assert "Retry 1/2" not in stopped  # not retried: the client had waited already
     assert (data_dir / METRICS_FILE).is_file() and not (sft_dir / METRICS_FILE).exists()
 
-    rerun = subprocess.run(run_command(data), cwd=project, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S)
+    rerun = subprocess.run(
+        run_command(data), cwd=project, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S
+    )
 
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     stages = assert_finished_with_one_version_each(rerun.stdout, services.tracking_uri)
@@ -230,7 +234,9 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def test_mlflow_giving_up_on_its_server_is_one_line_naming_it_and_closes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlflow_giving_up_on_its_server_is_one_line_naming_it_and_closes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     url = closed_port_url()
     client = MlflowClient(tracking_uri=url)
@@ -242,7 +248,7 @@ def test_mlflow_giving_up_on_its_server_is_one_line_naming_it_and_closes_nothing
     close_run(client, "0" * 32, RuntimeError("a stage stopped beside it"))  # the server does not answer: the same
 
 
-def test_a_refused_request_to_the_prefect_api_is_its_line_and_one_elsewhere_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_request_to_the_prefect_api_is_its_line_and_one_elsewhere_is_not() -> None:
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
