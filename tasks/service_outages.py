@@ -21,12 +21,19 @@ stages and resumes that one from its newest checkpoint (tasks/resume.py).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
+import urllib.request
+from collections.abc import Iterable
 
 CLIENT_RETRY_SETTINGS = {"PREFECT_CLIENT_MAX_RETRIES": "7"}  # sleeps 2+4+...+128 s: about 4 minutes
 MLFLOW_REQUEST_URL = re.compile(r"API request to (\S+?)/api/")
 CLIENT_MODULES = ("mlflow.", "requests.", "httpx")  # where the errors of a client that gave up come from
+MEMORY_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.memory"  # Prefect's default
+FILE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
+SETTINGS_TIMEOUT_S = 3.0
 RESUME_ADVICE = "rerun the same command once it answers: finished stages are reused and the interrupted one resumes"
 
 
@@ -104,3 +111,32 @@ def lost_service_line(error: BaseException) -> str | None:
     if url is not None:
         return f"lost the Prefect API at {url}: it stopped answering during the run; {RESUME_ADVICE}"
     return None
+
+
+def memory_leases_warning(api_url: str) -> str | None:
+    """A warning when the Prefect server at `api_url` keeps concurrency leases in memory (Prefect's default);
+    None when it keeps them elsewhere or does not say (an older server, one behind authentication).
+
+    A restart of such a server forgets the lease of the training slot a running stage holds, the slot stays
+    taken, and every later training stage waits for it forever (docs/service-outages.md).
+    """
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/admin/settings", timeout=SETTINGS_TIMEOUT_S) as response:
+            storage = json.load(response)["server"]["concurrency"]["lease_storage"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if storage != MEMORY_LEASE_STORAGE:
+        return None
+    return (
+        f"the Prefect server at {api_url} keeps concurrency leases in memory: if it restarts while a stage trains, "
+        f"the training slot stays taken and later stages wait for it forever; start it with "
+        f"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE={FILE_LEASE_STORAGE}"
+    )
+
+
+def warn_about_memory_leases(api_urls: Iterable[str]) -> None:
+    """Print `memory_leases_warning` of each Prefect API in `api_urls` that has one, as a line on stderr."""
+    for api_url in api_urls:
+        warning = memory_leases_warning(api_url)
+        if warning is not None:
+            print(f"rlhf: warning: {warning}", file=sys.stderr, flush=True)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ from rlhf_core.layout import METRICS_FILE
 from rlhf_core.training.checkpoint import complete_checkpoints
 from tasks.mlflow_runs import close_run
 from tasks.outputs import directory_sha256
-from tasks.service_outages import lost_service_line
+from tasks.service_outages import FILE_LEASE_STORAGE, MEMORY_LEASE_STORAGE, lost_service_line, memory_leases_warning
 
 OUTAGE_S = 20
 SFT_STEPS = 40  # SFT long enough to be mid-stage through a server's outage and its restart
@@ -265,3 +267,32 @@ def test_a_refused_request_to_the_prefect_api_is_its_line_and_one_elsewhere_is_n
         )
         assert lost_service_line(errors[1]) is None
     assert lost_service_line(ValueError("not a service")) is None
+
+
+@pytest.mark.parametrize("storage", [MEMORY_LEASE_STORAGE, FILE_LEASE_STORAGE])
+def test_a_prefect_server_keeping_leases_in_memory_is_warned_about(storage: str) -> None:
+    settings = json.dumps({"server": {"concurrency": {"lease_storage": storage}}}).encode()
+
+    class AdminSettings(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+            self.send_response(200 if self.path == "/api/admin/settings" else 404)
+            self.end_headers()
+            self.wfile.write(settings)
+
+        def log_message(self, *args: object) -> None:
+            """Quiet."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AdminSettings)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api_url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    try:
+        warning = memory_leases_warning(api_url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    if storage == MEMORY_LEASE_STORAGE:
+        assert warning is not None and warning.startswith(f"the Prefect server at {api_url} keeps concurrency leases")
+        assert warning.endswith(f"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE={FILE_LEASE_STORAGE}")
+    else:
+        assert warning is None
+    assert memory_leases_warning(closed_port_url() + "/api") is None  # a server that does not say: no warning
