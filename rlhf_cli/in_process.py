@@ -7,8 +7,11 @@ options (`--config`, `-s`, `--params`, `--runs-dir`).
 They run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
 Prefect starts a temporary server of its own, which inherits this process's environment and reads its
 settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
-1. sets TEMPORARY_SERVER_SETTINGS (each unless the user set it);
-2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds;
+1. sets TEMPORARY_SERVER_SETTINGS and Prefect's client retries (tasks/service_outages.py), each unless
+   the user set it;
+2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds,
+   and warns about a Prefect server that would forget the training slot's lease in a restart
+   (tasks/service_outages.py);
 3. imports Prefect, whose console handler the next step must find, and
 4. registers the temporary server Prefect will start (rlhf_cli/temporary_server.py),
 5. turns SIGINT and SIGTERM into an orderly stop (`stop_in_order`), and
@@ -82,9 +85,14 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     working directory's default store).
     """
     use_temporary_server_settings()
+    from tasks.service_outages import use_client_retry_settings, warn_about_memory_leases
+
+    use_client_retry_settings()  # Prefect's client waits for its server as long as MLflow's does
     from tasks.preflight import check_services, prefect_api_services, tracking_services
 
-    check_services([*prefect_api_services(), *tracking_services(tracking_uri, Path.cwd())])
+    prefect_apis = prefect_api_services()
+    check_services([*prefect_apis, *tracking_services(tracking_uri, Path.cwd())])
+    warn_about_memory_leases(service.url for service in prefect_apis)
     import prefect  # noqa: F401 - configures the root logger's console handler on import
 
     from rlhf_cli.temporary_server import register_temporary_server

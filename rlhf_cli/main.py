@@ -104,7 +104,13 @@ def main() -> None:
 def error_line(err: Exception) -> str:
     """What the one error line says: a write a full or read-only file system refused, outside any stage's
     output (a log file, a cache), as "cannot write <path>: <reason>", like a stage's
-    (rlhf_core/write_failures.py); anything else as the error says."""
+    (rlhf_core/write_failures.py); a tracking server or Prefect API that stopped answering mid-run by its
+    name and URL (tasks/service_outages.py); anything else as the error says."""
+    from tasks.service_outages import lost_service_line
+
+    lost = lost_service_line(err)
+    if lost is not None:
+        return lost
     if isinstance(err, OSError) and err.errno in WRITE_ONLY_ERRNOS and err.filename:
         return str(OutputWriteError(err.filename, err.errno))
     return str(err)

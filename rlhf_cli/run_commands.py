@@ -77,6 +77,9 @@ def serve(limit: LimitOption = None) -> None:
     silence_libraries()  # before the flows import transformers; the flow-run processes inherit the switches
     from flows.serving import serve_deployments
     from tasks.preflight import check_services, prefect_api_services, tracking_services
+    from tasks.service_outages import warn_about_memory_leases
 
-    check_services([*prefect_api_services(), *tracking_services(None, Path.cwd())])
+    prefect_apis = prefect_api_services()
+    check_services([*prefect_apis, *tracking_services(None, Path.cwd())])
+    warn_about_memory_leases(service.url for service in prefect_apis)
     serve_deployments(limit=limit)

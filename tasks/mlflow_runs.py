@@ -6,7 +6,8 @@ parent run id), and each stage creates its own run with the `mlflow.parentRunId`
 which is what makes the MLflow UI nest it under the parent.
 
 A run that fails is marked FAILED, with the error in the tag `error` and in the run's description
-(`mlflow.note.content`, shown on the run page), so it is visible without reading logs.
+(`mlflow.note.content`, shown on the run page), so it is visible without reading logs; but not when the
+tracking server is gone (tasks/service_outages.py): the run stays RUNNING there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from tasks.lineage import FLOW_RUN_ID_TAG
+from tasks.service_outages import lost_tracking_server, tracking_server_gone
 from tasks.tracking import (
     MlflowLogger,
     get_or_create_experiment,
@@ -95,7 +97,10 @@ def find_pipeline_run(client: MlflowClient, experiment_id: str, flow_run_id: str
 
 
 def close_run(client: MlflowClient, run_id: str, error: BaseException | None = None) -> None:
-    """FINISHED, or FAILED with the error in the `error` tag and the run description."""
+    """FINISHED, or FAILED with the error in the `error` tag and the run description; nothing when the tracking
+    server is gone (`error` says so, or it does not answer now): writing would wait the client's minutes, to fail."""
+    if error is not None and (lost_tracking_server(error) is not None or tracking_server_gone(client.tracking_uri)):
+        return
     if error is None:
         client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
         return

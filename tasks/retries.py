@@ -14,6 +14,8 @@ and retrying them only delays the report:
   it again; the run stops with the one line naming the path, and a rerun once there is room resumes;
 - a loss that became NaN or infinite, and a PPO run stopped by its collapse guard: deterministic,
   given the seed and the checkpoint a retry would resume from.
+A service that stopped answering for longer than its client waits (tasks/service_outages.py) is not retried
+either: a retry would wait the same minutes again; the run stops in one line and a rerun resumes.
 A launch stopped because the stage training beside it failed (LaunchStoppedError) is not retried either:
 the run is failing with the other stage's error.
 A stage launched over several processes fails with RankFailedError, which names the error type of the
@@ -37,6 +39,7 @@ from rlhf_core.ppo.guard import CollapseError
 from rlhf_core.stages.training_run import ResumeMismatchError
 from rlhf_core.training.loop import NonFiniteLossError
 from rlhf_core.write_failures import OutputWriteError
+from tasks.service_outages import lost_service_line
 
 NOT_RETRIED: tuple[type[BaseException], ...] = (
     ConfigError,
@@ -63,6 +66,6 @@ def is_retryable(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> 
         return False
     except RankFailedError as error:  # a launched stage: judge the failing rank's own error
         return error.error_type not in {kind.__name__ for kind in NOT_RETRIED}
-    except Exception:  # noqa: BLE001 - anything else may be transient: retry and resume
-        return True
+    except Exception as error:  # noqa: BLE001 - anything else may be transient: retry and resume
+        return lost_service_line(error) is None
     return True

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.commands import RLHF_COMMAND
+from fixtures.commands import RLHF_COMMAND, summary_lines
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
@@ -42,10 +42,6 @@ def run_command(data: Path) -> list[str]:
         "--data", str(data),
         "--stage", "ppo",
     ]  # fmt: skip
-
-
-def summary_lines(output: str) -> dict[str, str]:
-    return dict(line.split(": ", 1) for line in output.splitlines() if ": " in line and not line.startswith(" "))
 
 
 def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(tmp_path: Path) -> None:
