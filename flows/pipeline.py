@@ -22,8 +22,8 @@ config overlays and overrides, the data source, and the stages to run. The flow
    (tasks/identical_evaluation.py). Register registers the reward model, that judge and the policy, and
    tags the policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
-   that error, so the flow run is Failed with it; a SIGINT or SIGTERM (Crashed) is logged with the
-   stage it stopped (`log_stop`).
+   that error, marked with the stage (flows/failed_stage.py), so the flow run is Failed with it; a
+   SIGINT or SIGTERM (Crashed) is logged with the stage it stopped (`log_stop`).
 
 `stages` names the stages wanted; the stages they depend on run too (as cache hits when nothing
 changed), the way `dvc repro <stage>` does. Relative paths in the settings are relative to the working
@@ -43,6 +43,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.failed_stage import mark_failed_stage
 from flows.stage_branch import BesideStage
 from flows.stage_clock import StageClock
 from flows.stop_signals import signal_name, stop_signal
@@ -411,7 +412,10 @@ def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResu
         )
         record_stage_runs(tracking, outputs, clock.minutes, clock.total)
     except BaseException as error:
-        log_stop(logger, error, " and ".join(clock.running) or None)
+        running = " and ".join(clock.running) or None
+        if clock.current is not None:  # the main line's stage; one beside it marked its own (flows/stage_branch.py)
+            mark_failed_stage(error, clock.current)  # for `rlhf run`'s error line (flows/failed_stage.py)
+        log_stop(logger, error, running)
         close_run(tracking.client(), tracking.parent_run_id, error)
         raise
     close_run(tracking.client(), tracking.parent_run_id)

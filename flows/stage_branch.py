@@ -17,6 +17,7 @@ import contextvars
 import threading
 from collections.abc import Callable
 
+from flows.failed_stage import mark_failed_stage
 from flows.stage_clock import StageClock
 from tasks.core_share import CoreShare, branch
 from tasks.outputs import StageOutput
@@ -51,6 +52,7 @@ class BesideStage:
             with branch(self.share):
                 self.output = self.work()
         except BaseException as error:  # noqa: BLE001 - handed to the main line, which raises it
+            mark_failed_stage(error, self.name)  # this stage, not the main line's, failed the run
             self.error = error
         finally:
             self.clock.end_beside(self.name)

@@ -12,7 +12,7 @@ settings when Prefect is first imported (inside the command). `in_process_flow` 
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds,
    and warns about a Prefect server that would forget the training slot's lease in a restart
    (tasks/service_outages.py);
-3. imports Prefect, whose console handler the next step must find, and
+3. sets up Prefect's logging (its console handler on the root logger, which step 6 must find), and
 4. registers the temporary server Prefect will start (rlhf_cli/temporary_server.py),
 5. turns SIGINT and SIGTERM into an orderly stop (`stop_in_order`), and
 6. sends other libraries' warnings and notices to a log file under the runs directory, their progress
@@ -93,7 +93,11 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     prefect_apis = prefect_api_services()
     check_services([*prefect_apis, *tracking_services(tracking_uri, Path.cwd())])
     warn_about_memory_leases(service.url for service in prefect_apis)
-    import prefect  # noqa: F401 - configures the root logger's console handler on import
+    # Prefect's console handler on the root logger, which the diversion must find: `import prefect` no
+    # longer sets it up (Prefect does so lazily, when a flow first runs, after the diversion started).
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
 
     from rlhf_cli.temporary_server import register_temporary_server
 

@@ -12,8 +12,9 @@ commands under `runs/logs/` (`with_library_log`, applied where rlhf_cli/main.py 
 
 Prefect's messages and the project's own (`rlhf_core`, `tasks`, `flows`, `rlhf_cli`) stay on the
 terminal. The libraries reach the terminal four ways, and each is diverted:
-- through the root logger, which Prefect gives its console handler when imported (before the diversion
-  starts, by a command that uses Prefect), or else Python's last-resort handler: a filter on those;
+- through the root logger, which Prefect gives its console handler when its logging is set up (before
+  the diversion starts, by a command that uses Prefect: rlhf_cli/in_process.py), or else Python's
+  last-resort handler: a filter on those;
 - through handlers of their own, on loggers that do not propagate (`mlflow`, `DeepSpeed`,
   `transformers`), and Python warnings, captured into `py.warnings`: the same filter on those loggers
   (their own records, even when the library adds its handler later, as DeepSpeed does when it is first
@@ -25,11 +26,19 @@ terminal. The libraries reach the terminal four ways, and each is diverted:
   logging and print to the stream `mlflow.utils.logging_utils.MLFLOW_LOGGING_STREAM`, looked up at each
   call: that stream is swapped for one that writes to the file. (MLflow's own `disable_logging` does not
   hold: MLflow turns event logs back on when some of its modules are imported.)
+
+Prefect's own reports of a failed task or flow run go to the file too (`is_failure_report`): when a
+stage fails inside `rlhf run`, its engine logs the error two or three times, once with the whole
+traceback, before the command's one error line, which says it all. They still reach the Prefect API
+(its handler is on the run loggers, not the root's). When such a report was written, the error that
+leaves the block carries the file's path (`traceback_log`), so the error line can point to it; when the
+file cannot be written (a full or read-only runs directory), the report stays on the terminal instead.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import warnings
@@ -48,22 +57,59 @@ PREFECT_SENDER_LOGGERS = ("EventsWorker", "APILogWorker")
 LOG_DIR_NAME = "logs"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DIVERTED = "_rlhf_diverted"  # set on a record once written to the file, so no second filter writes it again
+PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # a flow or task run's logger, Prefect's or ours
+PREFECT_SPEC = importlib.util.find_spec("prefect")  # found without importing Prefect (stage commands do not)
+PREFECT_DIR = os.path.dirname(PREFECT_SPEC.origin or "") + os.sep if PREFECT_SPEC else None
+FINISHED = "Finished in state "
+TRACEBACK_LOG_ATTRIBUTE = "rlhf_traceback_log"  # on an error: the log file its tracebacks were written to
+
+
+def is_failure_report(record: logging.LogRecord) -> bool:
+    """Whether `record` is Prefect's engine reporting a failed, crashed or retried task or flow run: an
+    error (with or without a traceback), or a flow run's "Finished in state" other than Completed. The
+    project's own messages on the same loggers (the stage lines, a stop's stage) are not."""
+    if not record.name.startswith(PREFECT_RUN_LOGGERS) or PREFECT_DIR is None:
+        return False
+    if not record.pathname.startswith(PREFECT_DIR):
+        return False
+    if record.levelno >= logging.ERROR or record.exc_info:
+        return True
+    message = record.getMessage()
+    return message.startswith(FINISHED) and not message.startswith(f"{FINISHED}Completed")
+
+
+def traceback_log(error: BaseException) -> Path | None:
+    """The log file Prefect's report of `error`, with its traceback, was written to, if any."""
+    path = getattr(error, TRACEBACK_LOG_ATTRIBUTE, None)
+    return path if isinstance(path, Path) else None
 
 
 class ToLogFile(logging.Filter):
-    """Passes the records of TERMINAL_LOGGERS; writes every other record to `file_handler` and drops it."""
+    """Passes the records of TERMINAL_LOGGERS but Prefect's failure reports; writes every other record to
+    `file_handler` and drops it. A failure report the file could not take passes; `reported` says
+    whether one was written."""
 
-    def __init__(self, file_handler: logging.Handler) -> None:
+    def __init__(self, file_handler: LazyFileHandler) -> None:
         super().__init__()
         self.file_handler = file_handler
+        self.reported = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if is_failure_report(record):
+            return not self.divert(record)
         if record.name.split(".")[0] in TERMINAL_LOGGERS:
             return True
+        self.divert(record)
+        return False
+
+    def divert(self, record: logging.LogRecord) -> bool:
+        """Write `record` to the file, once (several filters see it); whether the file has it."""
         if not getattr(record, DIVERTED, False):
             setattr(record, DIVERTED, True)
             self.file_handler.handle(record)
-        return False
+            if is_failure_report(record) and not self.file_handler.failed:
+                self.reported = True
+        return not self.file_handler.failed
 
 
 class LogFileStream:
@@ -89,10 +135,24 @@ class LazyFileHandler(logging.FileHandler):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, encoding="utf-8", delay=True)
+        self.failed = False  # a write failed: the file is on a full or read-only file system
 
     def _open(self) -> IO[str]:  # FileHandler's hook for opening its stream
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """FileHandler's emit, where opening the file (which FileHandler does outside its error handling)
+        fails as a write does: the record is lost and `failed` set, never an error in the caller."""
+        try:
+            super().emit(record)
+        except OSError:
+            self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        """Remember the failure, silently: a "Logging error" traceback on the terminal would bury the
+        command's own line, which names an unwritable runs directory anyway."""
+        self.failed = True
 
 
 def run_log_path(runs_dir: Path, command: str = "run") -> Path:
@@ -121,6 +181,10 @@ def library_logs_to(path: Path) -> Iterator[Path]:
     logging_utils.MLFLOW_LOGGING_STREAM = LogFileStream(file_handler, "mlflow")
     try:
         yield path
+    except Exception as error:
+        if divert.reported:
+            setattr(error, TRACEBACK_LOG_ATTRIBUTE, path)  # for the command's error line (rlhf_cli/main.py)
+        raise
     finally:
         logging_utils.MLFLOW_LOGGING_STREAM = event_stream
         if warnings.showwarning is not showwarning:

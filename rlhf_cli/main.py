@@ -5,9 +5,10 @@ repeatable), `-s key.path=value` (repeatable) and `--params FILE`, and resolves 
 configuration before doing any work; stage commands write under `artifacts/<stage>/` unless `--out DIR`
 says otherwise (README.md, "Configuration", lists each command's options; tests/test_cli_help.py keeps
 that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr (a full or
-read-only file system: "cannot write <path>: no space left on device"); a traceback is shown only with
-`RLHF_DEBUG=1`. Other libraries' warnings go to a log file that the command names
-after its summary, and their progress bars are off when stderr is not a terminal or RLHF_QUIET is set
+read-only file system: "cannot write <path>: no space left on device"; a pipeline stage's failure also
+names the stage, and the log file that holds the traceback); a traceback is shown on the terminal only
+with `RLHF_DEBUG=1`. Other libraries' warnings go to a log file that the command names after its
+summary, and their progress bars are off when stderr is not a terminal or RLHF_QUIET is set
 (rlhf_cli/library_logs.py: `with_library_log` for the stage commands, `rlhf run` and `rlhf ablate`
 through rlhf_cli/in_process.py).
 """
@@ -23,11 +24,12 @@ from typing import Annotated, Optional
 import typer
 import yaml
 
+from flows.failed_stage import failed_stage
 from rlhf_cli import ppo_command, run_commands, stage_commands
 from rlhf_cli.ablate_command import ablate
 from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
-from rlhf_cli.library_logs import with_library_log
+from rlhf_cli.library_logs import traceback_log, with_library_log
 from rlhf_cli.promote_command import promote
 from rlhf_cli.options import HELP_FORMAT, ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
 from rlhf_core.config import ConfigError
@@ -102,10 +104,21 @@ def main() -> None:
 
 
 def error_line(err: Exception) -> str:
-    """What the one error line says: a write a full or read-only file system refused, outside any stage's
-    output (a log file, a cache), as "cannot write <path>: <reason>", like a stage's
-    (rlhf_core/write_failures.py); a tracking server or Prefect API that stopped answering mid-run by its
-    name and URL (tasks/service_outages.py); anything else as the error says."""
+    """What the one error line says: the error, after the pipeline stage it failed (flows/failed_stage.py)
+    and before the log file that holds its traceback (rlhf_cli/library_logs.py), where there are such."""
+    line = error_text(err)
+    stage = failed_stage(err)
+    if stage is not None:
+        line = f"stage {stage} failed: {line}"
+    log = traceback_log(err)
+    return line if log is None else f"{line} (traceback in {log})"
+
+
+def error_text(err: Exception) -> str:
+    """The error in words: a write a full or read-only file system refused, outside any stage's output (a
+    log file, a cache), as "cannot write <path>: <reason>", like a stage's (rlhf_core/write_failures.py);
+    a tracking server or Prefect API that stopped answering mid-run by its name and URL
+    (tasks/service_outages.py); anything else as the error says."""
     from tasks.service_outages import lost_service_line
 
     lost = lost_service_line(err)

@@ -1,13 +1,17 @@
 """tasks/registry.py against an embedded SQLite tracking store: the policy is registered as a chat model
 that stops at the end-of-turn token and answers /invocations with one OpenAI chat completion naming its
 registered version, the reward model as a scorer, versions are reused for unchanged content, and the
-`challenger` alias follows the newest policy."""
+`challenger` alias follows the newest policy. Both registered models are stored as a code file and
+safetensors, and load without unpickling anything (issue 30)."""
 
+import pickle
 from pathlib import Path
 
+import cloudpickle
 import mlflow
 import pytest
 import torch
+import yaml
 from fixtures.stage_outputs import stage_output
 from mlflow import MlflowClient
 from mlflow.pyfunc.scoring_server import init as scoring_app
@@ -26,6 +30,7 @@ from tasks.tracking import get_or_create_experiment, local_artifact_location
 pytestmark = pytest.mark.slow
 
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Hello, who are you?"}], "max_tokens": 8}
+PICKLE_SUFFIXES = (".pkl", ".pickle", ".cloudpickle", ".bin", ".pt", ".pth", ".ckpt")  # pickles, torch.save's too
 
 
 def eager_end_of_turn_policy():
@@ -207,3 +212,61 @@ def test_reward_model_scores_like_the_reward_model_itself(
             expected.append(float(reward_model(ids, torch.ones_like(ids), encoded.reply_start).scores[0]))
     assert scores == pytest.approx(expected, abs=1e-5)
     assert scores[0] != pytest.approx(scores[1])
+
+
+def pickled_files(stored: Path) -> list[str]:
+    """The files under `stored` that hold a pickle: by name, or by content (pickle protocol 2+ starts with
+    0x80 and the protocol; torch.save's zip archives hold a data.pkl)."""
+    found = []
+    for path in sorted(stored.rglob("*")):
+        if not path.is_file():
+            continue
+        content = path.read_bytes()
+        by_content = (content[:1] == b"\x80" and content[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or b"data.pkl" in content
+        if path.name.endswith(PICKLE_SUFFIXES) or by_content:
+            found.append(path.relative_to(stored).as_posix())
+    return found
+
+
+def refuse_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every way MLflow could unpickle a Python object (pickle's and cloudpickle's load) fail the test."""
+
+    def unpickle(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a registered model was unpickled")
+
+    for module in (pickle, cloudpickle):
+        monkeypatch.setattr(module, "load", unpickle)
+        monkeypatch.setattr(module, "loads", unpickle)
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+
+
+@pytest.mark.parametrize(("stage", "code_file"), [("ppo", "chat_policy_code.py"), ("reward", "reward_scorer_code.py")])
+def test_a_registered_model_is_code_and_safetensors_and_loads_without_unpickling(
+    store, stage: str, code_file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy and the reward model (and the judge, logged as the reward model is) as the registry stores
+    them: `python_model` is the project's models-from-code file, the weights are safetensors, no file is a
+    pickle, and the model loads and answers with unpickling made to fail."""
+    client, uri, run_id = store
+    lm, tokenizer = load_base_model(ModelConfig(kind="tiny"))
+    if stage == "ppo":
+        save_causal_lm(lm, tokenizer, tmp_path / "model")
+    else:
+        RewardModel.from_causal_lm(lm, end_of_turn_id(tokenizer), seed=5).save_pretrained(tmp_path / "model", tokenizer)
+    registered = register(client, uri, run_id, f"unpickled-{stage}", finished_output(stage, tmp_path), {}, alias=None)
+
+    mlflow.set_tracking_uri(uri)
+    stored = Path(mlflow.artifacts.download_artifacts(registered.uri, dst_path=str(tmp_path / "stored")))
+    flavour = yaml.safe_load((stored / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavour["loader_module"] == "mlflow.pyfunc.loaders.code_model"
+    assert Path(flavour["model_code_path"]).name == code_file and (stored / code_file).is_file()
+    assert "python_model" not in flavour  # the key of a cloudpickled PythonModel (python_model.pkl)
+    assert pickled_files(stored) == []
+    assert list(stored.rglob("*.safetensors"))
+
+    refuse_unpickling(monkeypatch)
+    loaded = mlflow.pyfunc.load_model(registered.uri)
+    if stage == "ppo":
+        assert loaded.predict(CHAT_REQUEST)["object"] == "chat.completion"
+    else:
+        assert len(loaded.predict([{"messages": CHAT_REQUEST["messages"], "reply": "Hello."}])) == 1

@@ -10,7 +10,7 @@
   "rlhf: error: cannot write <out>: no space left on device" (or "read-only file system" /
   "permission denied") and no metrics.json; an ENOSPC without a file name (`os.write`) is named too.
 - `rlhf run` (slow): a runs directory on a 2 MiB tmpfs stops at SFT, unretried, its last line naming the
-  stage's output; a read-only one names the first stage's output.
+  stage and its output; a read-only one names the first stage and its output.
 """
 
 from __future__ import annotations
@@ -204,7 +204,9 @@ def test_rlhf_run_onto_a_full_disk_stops_at_once_naming_the_stage_output(
         status, stderr = run_tiny_pipeline(disk / "runs", pairs_file, monkeypatch, capsys)
         assert status == 1
         (run_dir,) = [path for path in (disk / "runs").iterdir() if not path.name.startswith(".") and path.name != "logs"]
-        assert stderr.splitlines()[-1] == f"rlhf: error: cannot write {run_dir / 'sft'}: no space left on device"
+        # The traceback goes to the run's log file, named in the line if that file could take it.
+        last = f"rlhf: error: stage sft failed: cannot write {run_dir / 'sft'}: no space left on device"
+        assert re.fullmatch(rf"{re.escape(last)}( \(traceback in .+\))?", stderr.splitlines()[-1]), stderr[-2000:]
         assert "Retry" not in stderr and "Logging error" not in stderr
         assert (run_dir / "data" / METRICS_FILE).exists() and not (run_dir / "sft" / METRICS_FILE).exists()
 
@@ -217,7 +219,11 @@ def test_rlhf_run_into_a_read_only_runs_directory_is_one_line_naming_it(
         status, stderr = run_tiny_pipeline(directory / "runs", pairs_file, monkeypatch, capsys)
         reason = "read-only file system" if os.geteuid() == 0 else "permission denied"
         assert status == 1
-        # The first stage's output (runs/<run id>/data) is the first thing written, and the line names it.
-        assert re.fullmatch(rf"rlhf: error: cannot write {re.escape(str(directory))}/runs/[\w-]+/data: {reason}", stderr.splitlines()[-1])
+        # The first stage's output (runs/<run id>/data) is the first thing written, and the line names it
+        # (and no log file: the runs directory cannot take one).
+        assert re.fullmatch(
+            rf"rlhf: error: stage prepare-data failed: cannot write {re.escape(str(directory))}/runs/[\w-]+/data: {reason}",
+            stderr.splitlines()[-1],
+        ), stderr[-2000:]
         assert "Logging error" not in stderr
         assert not any(directory.iterdir())
