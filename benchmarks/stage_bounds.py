@@ -167,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     eval_dir = args.eval_dir or args.run_dir / "eval"
     config = load_config(Path(__file__).resolve().parents[1] / "params.yaml", args.config).model_dump(mode="json")
     gflops = args.gflops or matmul_gflops(args.threads, args.repeats)
+    source = "given" if args.gflops else f"measured, best of {args.repeats} 1024^3 matmuls on {args.threads} threads"
+    print(f"float32 matmul rate {gflops:.1f} GFLOP/s ({source})", flush=True)
+    model_config = json.loads((args.run_dir / "sft" / "model" / "config.json").read_text(encoding="utf-8"))
+    shape = ModelShape.from_config(model_config)
     works = stage_works(args.run_dir, eval_dir, config)
     minutes = {stage: measured_minutes(args.run_dir / stage) for stage in STAGES[:4]}
     minutes["eval"] = measured_minutes(eval_dir)
-    model_config = json.loads((args.run_dir / "sft" / "model" / "config.json").read_text(encoding="utf-8"))
-    shape = ModelShape.from_config(model_config)
     rows = bounds(works, shape, gflops, args.bandwidth_gbs, minutes)
-    source = "given" if args.gflops else f"measured, best of {args.repeats} 1024^3 matmuls on {args.threads} threads"
-    print(f"float32 matmul rate {gflops:.1f} GFLOP/s ({source}); decode steps at {args.bandwidth_gbs:.1f} GB/s "
-          f"over {shape.weight_bytes / 1e9:.3f} GB of weights; {shape.matmul_parameters / 1e6:.1f} M matmul parameters")
+    print(f"decode steps at {args.bandwidth_gbs:.1f} GB/s over {shape.weight_bytes / 1e9:.3f} GB of weights; "
+          f"{shape.matmul_parameters / 1e6:.1f} M matmul parameters")
     print("\n".join(format_table(rows)))
     gap = largest_gap(rows)
     if gap is not None:
