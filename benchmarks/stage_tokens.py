@@ -156,7 +156,7 @@ def update_work(shape: ModelShape, prompt_lengths: list[int], steps: int, reply_
 
 def decode_length(record: Mapping[str, float], max_new_tokens: int) -> int:
     """Columns a rollout sampled: all of them when a reply was cut, else its mean reply length (the
-    longest is not logged; every iteration of the measured run had a cut reply)."""
+    longest is not logged, so that case is a lower estimate)."""
     if record.get("response/finished_fraction", 0.0) < 1.0:
         return max_new_tokens
     return math.ceil(record["response/length_mean"])
