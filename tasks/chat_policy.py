@@ -16,7 +16,8 @@ completion object (not a list holding one):
 - `finish_reason` is "length" when the reply was cut at `max_tokens` before its end-of-turn token,
   "stop" when it ended there.
 - The reply is sampled exactly as evaluation samples (rlhf_core/evaluation/generation.py: the model's
-  chat template, stopping at the end-of-turn token), with the request's `max_tokens` (default 256, or
+  chat template, stopping at the end-of-turn token; with transformers' `generate`, as the lean engine's
+  weight copy per call would cost a single request more than it saves), with the request's `max_tokens` (default 256, or
   what the context leaves if less), `temperature` (0: greedy), `top_p` and `seed`; other fields are
   ignored (`stream` too: the answer is one object).
 - A malformed request, or one that does not fit the model's context, is refused before any generation
@@ -42,7 +43,7 @@ from typing import Any
 
 import mlflow.pyfunc
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.generation import Reply, generate_replies
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.loading import load_causal_lm
@@ -113,7 +114,8 @@ class ChatPolicy(mlflow.pyfunc.PythonModel):
         check_length(request, self.context_tokens)
         messages = [message.model_dump() for message in request.messages]
         prompt_tokens = len(encode_prompt(self.tokenizer, messages))
-        settings = GenerationConfig(
+        settings = RolloutConfig(
+            engine="hf",
             max_new_tokens=reply_budget(request, prompt_tokens, self.context_tokens),
             temperature=request.temperature or GREEDY_TEMPERATURE,
             top_p=request.top_p,

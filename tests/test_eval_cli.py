@@ -103,7 +103,10 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     report = json.loads((out / "report.json").read_text())
     assert report["judge"]["kind"] == "rm" and report["judge"]["in_sample"] is True
     assert set(report["by_category"]) == {"harmless-base", "helpful-base"}
-    assert report["generation"] == {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert report["generation"] == {
+        "max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1,
+        "engine": "lean", "dtype": "float32", "sampler": "inverse_cdf", "kernel": "blocked",
+    }  # fmt: skip
     metrics = json.loads((out / "metrics.json").read_text())
     wins = sum(v["verdict"] == "A" for v in verdicts)
     losses = sum(v["verdict"] == "B" for v in verdicts)

@@ -8,14 +8,14 @@ import itertools
 import numpy as np
 import pytest
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
 from rlhf_core.evaluation.length_matching import closest_length_pair, length_matched_pairs
 from rlhf_core.evaluation.outputs import matched_generation_rows
 from rlhf_core.evaluation.prompts import EvalPrompt
 from rlhf_core.models.tiny import build_tiny_model
 
-GENERATION = GenerationConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+GENERATION = RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
 
 
 def replies(*tokens: int, text: str = "reply") -> list[Reply]:

@@ -14,7 +14,7 @@ import torch
 from fixtures.statistics_by_loop import bootstrap_by_loop
 from torch.nn import functional as F
 
-from rlhf_core.config import DataConfig, GenerationConfig
+from rlhf_core.config import DataConfig, RolloutConfig
 from rlhf_core.data.prepare import prepare_preference_data
 from rlhf_core.data.validation import TokenLengths
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
@@ -31,7 +31,7 @@ from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 
 A, B, TIE, INVALID = Verdict.A, Verdict.B, Verdict.TIE, Verdict.INVALID
-GENERATION = GenerationConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+GENERATION = RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
 RM_JUDGE = JudgeInfo(
     kind="rm",
     name="reward model rm-dir",

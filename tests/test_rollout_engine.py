@@ -20,7 +20,8 @@ from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.lora import add_lora_adapters
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.ppo.experience_maker import PPOModels, make_rollout_engine
+from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.ppo.scoring import RewardModelScorer, response_logprobs
 from rlhf_core.ppo.shared_trunk import SharedTrunk
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
@@ -273,10 +274,10 @@ def test_engine_choice_is_checked(tokenizer: PreTrainedTokenizerBase) -> None:
     model = build_tiny_model(tokenizer, seed=0)
     assert isinstance(make_rollout_engine(RolloutConfig(engine="hf"), model, 4), HFGenerateEngine)
     assert isinstance(make_rollout_engine(RolloutConfig(engine="lean"), model, 4), LeanEngine)
-    with pytest.raises(ValueError, match="ppo.rollout.dtype=bfloat16 needs ppo.rollout.engine=lean"):
+    with pytest.raises(ValueError, match="dtype bfloat16 needs engine lean"):
         make_rollout_engine(RolloutConfig(engine="hf", dtype="bfloat16"), model, 4)
     model.config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="ppo.rollout.engine=lean cannot run this policy: model type 'gpt2'"):
+    with pytest.raises(ValueError, match="the lean rollout engine cannot run this model: model type 'gpt2'"):
         LeanEngine(model, RolloutConfig(), 4)
 
 

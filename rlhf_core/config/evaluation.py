@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.config.base import Section
-from rlhf_core.config.generation import GenerationConfig
+from rlhf_core.config.generation import RolloutConfig
 from rlhf_core.config.model import ModelConfig
 
 
@@ -20,9 +20,10 @@ class EvaluationConfig(Section):
     max_prompts: int | None = Field(
         None, ge=1, description="Evaluate on the eval split's first prompts by id; null: every eval prompt."
     )
-    generation: GenerationConfig = Field(
-        GenerationConfig(max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1),
-        description="Sampling for the compared replies (the paper's evaluation settings).",
+    generation: RolloutConfig = Field(
+        RolloutConfig(max_new_tokens=128, temperature=0.8, top_p=0.9, repetition_penalty=1.1),
+        description="Sampling for the compared replies (the paper's evaluation settings) and the engine that "
+        "samples them (lean by default, as PPO's rollouts).",
     )
     length_matched_samples: int = Field(
         4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core.config.base import Section
 
@@ -22,7 +22,8 @@ class GenerationConfig(Section):
 
 
 class RolloutConfig(GenerationConfig):
-    """PPO's sampling settings and the engine that samples (rlhf_core/rollout/engine.py)."""
+    """Sampling settings and the engine that samples (rlhf_core/rollout/engine.py): PPO's rollouts
+    (`ppo.rollout`) and evaluation's replies (`evaluation.generation`)."""
 
     engine: Literal["hf", "lean"] = Field(
         "lean", description="hf: transformers generate; lean: the KV-cached CPU sampling loop (docs/rollout-engine.md)."
@@ -42,3 +43,9 @@ class RolloutConfig(GenerationConfig):
         "first use with the system's C compiler (rlhf_core/rollout/kernel_library.py; oneDNN where it cannot be "
         "built); onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
     )
+
+    @model_validator(mode="after")
+    def _bfloat16_needs_the_lean_engine(self) -> RolloutConfig:
+        if self.engine == "hf" and self.dtype != "float32":
+            raise ValueError("dtype bfloat16 needs engine lean: the hf engine samples the model itself, in its dtype")
+        return self

@@ -3,9 +3,11 @@
 `evaluation.generation` in params.yaml holds them: nucleus sampling with p = 0.9, temperature 0.8,
 repetition penalty 1.1, one reply per prompt, up to `max_new_tokens` tokens. Prompts are rendered by
 the model's own chat template (`chat.encode_prompt`, whole: the eval split is length-filtered), left-
-padded and sampled in batches by the rollout engine's KV-cached `generate` call (rlhf_core/rollout/
-generation.py, what PPO's `hf` engine samples with), which stops each reply at the end-of-turn token. Sampling starts from `seed`, inside a forked random state, so
-both models of a comparison are sampled with the same seed and the caller's random state is untouched.
+padded and sampled in batches by the rollout engine `evaluation.generation.engine` names (rlhf_core/
+rollout/engines.py; the lean CPU loop by default, the one PPO samples with, about 3.5x faster than
+transformers' `generate` on 2 cores; `hf` for that), which stops each reply at the end-of-turn token.
+Sampling starts from `seed`, inside a forked random state, so both models of a comparison are sampled with
+the same seed and the caller's random state is untouched.
 Given a `desc`, a progress bar counts the prompts answered (rlhf_core/progress.py).
 `sample_replies` draws several replies per prompt (for the length-matched pairs, length_matching.py).
 """
@@ -19,11 +21,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.data.records import Message
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.progress import progress
-from rlhf_core.rollout.generation import generate_responses, left_pad, stop_token_ids
+from rlhf_core.rollout.engine import SamplingParams
+from rlhf_core.rollout.engines import make_rollout_engine
+from rlhf_core.rollout.generation import left_pad, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ def generate_replies(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[Message]],
-    settings: GenerationConfig,
+    settings: RolloutConfig,
     batch_size: int,
     seed: int,
     desc: str | None = None,
@@ -51,7 +55,8 @@ def generate_replies(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = next(model.parameters()).device
-    stop_ids = stop_token_ids(tokenizer)
+    engine = make_rollout_engine(settings, model, batch_size)
+    sampling = SamplingParams(settings, tuple(stop_token_ids(tokenizer)), tokenizer.pad_token_id)
     replies: list[Reply] = []
     bar = progress(len(prompts), desc, "prompt") if desc is not None else nullcontext()
     with bar as answered, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -59,10 +64,8 @@ def generate_replies(
         for start in range(0, len(prompts), batch_size):
             encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[start : start + batch_size]]
             prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id, device)
-            response_ids, response_mask, finished = generate_responses(
-                model, prompt_ids, prompt_mask, settings, stop_ids, tokenizer.pad_token_id
-            )
-            for ids, mask, done in zip(response_ids, response_mask, finished):
+            generation = engine.generate(prompt_ids, prompt_mask, sampling)
+            for ids, mask, done in zip(generation.response_ids, generation.response_mask, generation.finished):
                 reply_ids = ids[mask.bool()].tolist()
                 if done:
                     reply_ids = reply_ids[:-1]  # the end-of-turn token
@@ -77,7 +80,7 @@ def sample_replies(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[Message]],
-    settings: GenerationConfig,
+    settings: RolloutConfig,
     batch_size: int,
     seed: int,
     samples: int,

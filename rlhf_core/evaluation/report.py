@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
 from rlhf_core.evaluation.length_control import LengthControlledWinRate, length_controlled_win_rate
@@ -163,7 +163,7 @@ class EvaluationReport(BaseModel):
     model_b: str
     judge: JudgeSummary
     prompts: int
-    generation: GenerationConfig
+    generation: RolloutConfig
     overall: OutcomeSummary
     by_category: dict[str, OutcomeSummary]
     length: LengthSummary
@@ -388,7 +388,7 @@ def build_report(
     judge: JudgeInfo,
     model_a: str,
     model_b: str,
-    generation: GenerationConfig,
+    generation: RolloutConfig,
     seed: int,
     alignment_tax: AlignmentTax | None = None,
     other_judges: Mapping[str, Mapping[str, Verdict]] | None = None,

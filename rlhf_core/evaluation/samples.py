@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.generation import generate_replies
 from rlhf_core.evaluation.prompts import evaluation_prompts
 from rlhf_core.models.loading import load_causal_lm
@@ -19,7 +19,7 @@ SAMPLE_BATCH_SIZE = 4
 
 
 def sample_generations(
-    model_dir: Path, data_dir: Path, settings: GenerationConfig, seed: int, count: int
+    model_dir: Path, data_dir: Path, settings: RolloutConfig, seed: int, count: int
 ) -> list[dict[str, object]]:
     """One row per prompt: the prompt's last message, the reference reply, the model's reply, its length and
     whether it ended (False: cut at `settings.max_new_tokens`). No rows when the eval split is empty (the

@@ -40,12 +40,11 @@ from rlhf_core.ppo.sequences import TrunkStates
 from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk, share_storage
 from rlhf_core.rollout.engine import (
     Generation,
-    HFGenerateEngine,
     RolloutEngine,
     SamplingParams,
 )
+from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.rollout.generation import left_pad, stop_token_ids
-from rlhf_core.rollout.lean_engine import DTYPES, LeanEngine
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan
 
 log = logging.getLogger(__name__)
@@ -60,19 +59,6 @@ class PPOModels:
     reference: PreTrainedModel  # frozen copy of the SFT model: the KL anchor
     critic: Critic  # trained; starts from the reward model (or SFT + a fresh head)
     scorer: Scorer  # frozen reward model (`scoring.RewardModelScorer`) or, in tests, a rule
-
-
-def make_rollout_engine(
-    settings: RolloutConfig, policy: PreTrainedModel, rollout_batch_size: int, trunk_layers: int | None = None
-) -> RolloutEngine:
-    """The engine `ppo.rollout.engine` names (rlhf_core/rollout/engine.py); the lean one copies `policy`'s weights now
-    and, given the shared trunk's `trunk_layers`, hands back its states when it computes in the policy's dtype."""
-    if settings.engine == "hf":
-        if settings.dtype != "float32":
-            raise ValueError("ppo.rollout.dtype=bfloat16 needs ppo.rollout.engine=lean (hf samples the policy itself)")
-        return HFGenerateEngine(policy)
-    same_dtype = DTYPES[settings.dtype] == next(policy.parameters()).dtype
-    return LeanEngine(policy, settings, rollout_batch_size, trunk_layers if same_dtype else None)
 
 
 def engine_logprob_gap(generation: Generation, scoring_logprobs: Tensor) -> Metrics:

@@ -198,7 +198,10 @@ class DecoderWeights:
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, rows: int, kernel: Kernel = "blocked") -> None:
         problem = supported(model)
         if problem is not None:
-            raise ValueError(f"ppo.rollout.engine=lean cannot run this policy: {problem}; use engine hf")
+            raise ValueError(
+                f"the lean rollout engine cannot run this model: {problem}; set ppo.rollout.engine (PPO) or "
+                "evaluation.generation.engine (evaluation) to hf"
+            )
         config = model.config
         self.dtype = dtype
         self.rows = rows  # the batch size the reordered layout is tuned for (any batch works)

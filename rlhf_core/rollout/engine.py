@@ -10,7 +10,7 @@ docs/rollout-engine.md for what such an engine needs). Before each rollout the t
 `sync_weights(policy)`: a no-op for an engine that samples the policy module itself, a weight copy for one
 that keeps its own.
 
-`ppo.rollout.engine` picks the engine (`experience_maker.make_rollout_engine`).
+`ppo.rollout.engine` and `evaluation.generation.engine` pick the engine (engines.py).
 """
 
 from __future__ import annotations
