@@ -4,8 +4,8 @@
 repetition penalty 1.1, one reply per prompt, up to `max_new_tokens` tokens. Prompts are rendered by
 the model's own chat template (`chat.encode_prompt`, whole: the eval split is length-filtered), left-
 padded and sampled in batches by the rollout engine `evaluation.generation.engine` names (rlhf_core/
-rollout/engines.py; the lean CPU loop by default, the one PPO samples with, about 3.5x faster than
-transformers' `generate` on 2 cores; `hf` for that), which stops each reply at the end-of-turn token.
+rollout/engines.py; by default the lean CPU loop PPO samples with, faster than transformers' `generate`
+on a CPU, docs/rollout-engine.md; `hf` for `generate`), which stops each reply at the end-of-turn token.
 Sampling starts from `seed`, inside a forked random state, so both models of a comparison are sampled with
 the same seed and the caller's random state is untouched.
 Given a `desc`, a progress bar counts the prompts answered (rlhf_core/progress.py).
