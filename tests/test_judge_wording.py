@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import GenerationConfig
+from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.judges.reward_model import reward_model_role
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
 from rlhf_core.evaluation.report import JudgedPair, build_report
@@ -18,7 +18,7 @@ from rlhf_core.stages.evaluate import REPORT_JSON
 from tasks.evaluation import evaluation_summary
 from tasks.outputs import StageOutput
 
-GENERATION = GenerationConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+GENERATION = RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
 
 
 def trained_on(split: str) -> RewardTrainingData:
