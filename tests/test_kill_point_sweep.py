@@ -1,6 +1,6 @@
 """The kill-point sweep of a whole `rlhf run` (issue 30), short: SIGKILL between two stages, inside the
-evaluation and inside the registration, one after another in one project, rerun to the end, and compare
-every model file, the evaluation and the registry with an uninterrupted run. scripts/kill_point_sweep.py runs the full sweep
+evaluation and inside the registration, rerun each to the end, and compare every model file, the
+evaluation and the registry with an uninterrupted run. scripts/kill_point_sweep.py runs the full sweep
 (20 points or more) with the same code (tests/fixtures/kill_sweep*.py).
 
 The point choice and the comparison are tested on their own first, without processes.
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.kill_sweep import START, KillPoint, Project, Timeline, choose_points, kill_at, run_to_end, write_data
-from fixtures.kill_sweep_compare import differences, outcome, registry_problems, stage_dirs
-from fixtures.kill_sweep_runs import reference_run
+from fixtures.kill_sweep import START, KillPoint, Project, Timeline, choose_points, write_data
+from fixtures.kill_sweep_compare import differences, registry_problems, stage_dirs
+from fixtures.kill_sweep_runs import reference_run, sweep_point
 
 STAGES = ("prepare-data", "judge-reward", "sft", "reward", "ppo", "evaluate", "register")
 
@@ -71,8 +71,6 @@ def test_differences_name_the_item_and_the_registry_is_checked_on_its_own() -> N
 
 @pytest.mark.slow  # whole `rlhf run` processes, each with its own Prefect server
 def test_a_run_killed_between_stages_in_evaluation_and_in_registration_reruns_to_the_same_end(tmp_path: Path) -> None:
-    """One project killed three times in a row (each rerun is killed further on), then run to the end: the
-    sweep's points, but with the state each kill leaves for the next, at the cost of one run instead of three."""
     data = write_data(tmp_path)
     reference, timeline = reference_run(Project(tmp_path / "reference", data))
     spans = {stage: offset for offset, stage in timeline.stage_starts()}
@@ -82,11 +80,6 @@ def test_a_run_killed_between_stages_in_evaluation_and_in_registration_reruns_to
         KillPoint(2, "evaluate", "evaluate", (spans["register"] - spans["evaluate"]) / 2, 0.0),
         KillPoint(3, "register", "register", register_s / 3, 0.0),
     ]
-    project = Project(tmp_path / "killed", data).create()
-    kills = [kill_at(project, point) for point in points]
-    rerun = run_to_end(project, "rerun.log")
-
-    assert [(kill.killed, kill.stage) for kill in kills] == [(True, "evaluate"), (True, "evaluate"), (True, "register")]
-    assert rerun.returncode == 0, rerun.text[-3000:]
-    ended = outcome(project, rerun)
-    assert differences(reference, ended) + registry_problems(ended["registry"]) == []
+    results = [sweep_point(Project(tmp_path / f"point-{p.index}", data).create(), p, reference) for p in points]
+    assert [result.row() for result in results if not result.matches] == []
+    assert all(result.killed.killed for result in results), [result.row() for result in results]
