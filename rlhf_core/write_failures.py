@@ -69,7 +69,7 @@ def naming_failed_writes(path: str | Path) -> Iterator[None]:
 
 def write_failure(error: BaseException, path: Path) -> int | None:
     """The errno (a key of WRITE_FAILURES) that explains `error`, raised writing under `path`, or None."""
-    chain = _causes(error)
+    chain = error_chain(error)
     for cause in chain:
         if isinstance(cause, OSError) and cause.errno in WRITE_FAILURES:
             if cause.errno != errno.EACCES or _concerns(cause.filename, path):
@@ -107,7 +107,7 @@ def _concerns(filename: object, path: Path) -> bool:
     return target == path or path in target.parents or target in path.parents or sibling
 
 
-def _causes(error: BaseException) -> list[BaseException]:
+def error_chain(error: BaseException) -> list[BaseException]:
     """`error` and the errors it was raised from or during, innermost last (each once)."""
     chain: list[BaseException] = []
     current: BaseException | None = error

@@ -28,6 +28,8 @@ import sys
 import urllib.request
 from collections.abc import Iterable
 
+from rlhf_core.write_failures import error_chain
+
 CLIENT_RETRY_SETTINGS = {"PREFECT_CLIENT_MAX_RETRIES": "7"}  # sleeps 2+4+...+128 s: about 4 minutes
 MLFLOW_REQUEST_URL = re.compile(r"API request to (\S+?)/api/")
 CLIENT_MODULES = ("mlflow.", "requests.", "httpx")  # where the errors of a client that gave up come from
@@ -41,16 +43,6 @@ def use_client_retry_settings() -> None:
     """Set each of CLIENT_RETRY_SETTINGS in this process's environment unless it is set (before Prefect is imported)."""
     for name, value in CLIENT_RETRY_SETTINGS.items():
         os.environ.setdefault(name, value)
-
-
-def error_chain(error: BaseException) -> list[BaseException]:
-    """`error` and the errors it was raised from or while handling, outermost first."""
-    chain: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
 
 
 def lost_tracking_server(error: BaseException) -> str | None:
