@@ -68,6 +68,7 @@ from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_JSON, REPORT_MD, draw_re
 from rlhf_core.stages.result import write_metrics
 from tasks.lineage import FLOW_RUN_ID_TAG, UNKNOWN
 from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_ROLE, STAGE_TAG, close_run, run_url
+from tasks.run_owner import owner_tags
 from tasks.tracking import TRACKING_URI_ENV, MlflowLogger, get_or_create_experiment, local_artifact_location
 
 STAGE = "human-eval"
@@ -243,7 +244,7 @@ def log_to_mlflow(
     session's files; returns a link to it (its id for a local store)."""
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment_id = get_or_create_experiment(client, experiment, local_artifact_location(tracking_uri, Path.cwd()))
-    tags = {ROLE_TAG: STAGE_ROLE, STAGE_TAG: STAGE, FLOW_RUN_ID_TAG: flow_run.get_id() or UNKNOWN}
+    tags = {ROLE_TAG: STAGE_ROLE, STAGE_TAG: STAGE, FLOW_RUN_ID_TAG: flow_run.get_id() or UNKNOWN, **owner_tags()}
     if parent_run_id:
         tags[PARENT_RUN_TAG] = parent_run_id
     run_id = client.create_run(experiment_id, run_name=STAGE, tags=tags).info.run_id

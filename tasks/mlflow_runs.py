@@ -7,11 +7,14 @@ which is what makes the MLflow UI nest it under the parent.
 
 A run that fails is marked FAILED, with the error in the tag `error` and in the run's description
 (`mlflow.note.content`, shown on the run page), so it is visible without reading logs; but not when the
-tracking server is gone (tasks/service_outages.py): the run stays RUNNING there.
+tracking server is gone (tasks/service_outages.py), nor when the process is killed. Every run is tagged
+with the process that owns it (tasks/run_owner.py), and the next pipeline run closes the runs whose owner
+is gone (`close_orphaned_runs`), so no run stays RUNNING for good.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,10 +22,12 @@ from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
+from prefect.logging import get_logger
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from tasks.lineage import FLOW_RUN_ID_TAG
+from tasks.run_owner import HOST_TAG, PID_TAG, owner_is_gone, owner_tags
 from tasks.service_outages import lost_tracking_server, tracking_server_gone
 from tasks.tracking import (
     MlflowLogger,
@@ -39,6 +44,13 @@ ERROR_TAG = "error"
 PIPELINE_ROLE = "pipeline"
 STAGE_ROLE = "stage"
 MAX_ERROR_CHARS = 5000
+ORPHAN_ERROR = (
+    "interrupted: the process that ran it (pid {pid} on {host}) ended without closing it: it was killed, or it "
+    "failed while the tracking server was unreachable"
+)
+MAX_ORPHANS = 1000  # RUNNING runs looked at per sweep; one sweep per pipeline run keeps the backlog far below
+
+logger = get_logger(__name__)
 
 
 class TrackingTarget(BaseModel):
@@ -75,11 +87,15 @@ def open_pipeline_run(config: Config, project_dir: Path, run_name: str, tags: di
     experiment_id = get_or_create_experiment(
         client, config.tracking.experiment, local_artifact_location(tracking_uri, project_dir)
     )
+    close_orphaned_runs(client, experiment_id)
     run_id = find_pipeline_run(client, experiment_id, tags.get(FLOW_RUN_ID_TAG))
     if run_id is None:
-        run_id = client.create_run(experiment_id, run_name=run_name, tags={ROLE_TAG: PIPELINE_ROLE, **tags}).info.run_id
+        run_tags = {ROLE_TAG: PIPELINE_ROLE, **owner_tags(), **tags}
+        run_id = client.create_run(experiment_id, run_name=run_name, tags=run_tags).info.run_id
     else:
         client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        for name, value in owner_tags().items():  # this process owns the reopened run now
+            client.set_tag(run_id, name, value)
     MlflowLogger(run_id, client).log_params(config.model_dump(mode="json"))
     return TrackingTarget(tracking_uri=tracking_uri, experiment_id=experiment_id, parent_run_id=run_id)
 
@@ -104,10 +120,31 @@ def close_run(client: MlflowClient, run_id: str, error: BaseException | None = N
     if error is None:
         client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
         return
-    message = f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
+    mark_failed(client, run_id, f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS])
+
+
+def mark_failed(client: MlflowClient, run_id: str, message: str) -> None:
+    """FAILED, with `message` in the `error` tag and the run description."""
     client.set_tag(run_id, ERROR_TAG, message)
     client.set_tag(run_id, RUN_NOTE_TAG, f"**Failed**\n\n```\n{message}\n```")
     client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
+
+
+def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Mark FAILED every RUNNING run of the experiment whose owner, a process of this host, is gone; their ids."""
+    running = client.search_runs(
+        [experiment_id],
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{socket.gethostname()}'",
+        max_results=MAX_ORPHANS,
+    )
+    orphans = [run for run in running if owner_is_gone(run.data.tags)]
+    for run in orphans:
+        tags = run.data.tags
+        mark_failed(client, run.info.run_id, ORPHAN_ERROR.format(pid=tags[PID_TAG], host=tags[HOST_TAG]))
+    if orphans:
+        ids = ", ".join(run.info.run_id for run in orphans)
+        logger.info("closed %d MLflow run(s) left RUNNING by a process that is gone: %s", len(orphans), ids)
+    return [run.info.run_id for run in orphans]
 
 
 @contextmanager
@@ -117,7 +154,7 @@ def stage_run(
     """A nested run for one attempt of `stage` (named `run_name`, default the stage), closed FINISHED or
     FAILED (re-raising) on exit."""
     client = target.client()
-    run_tags = {PARENT_RUN_TAG: target.parent_run_id, ROLE_TAG: STAGE_ROLE, STAGE_TAG: stage, **tags}
+    run_tags = {PARENT_RUN_TAG: target.parent_run_id, ROLE_TAG: STAGE_ROLE, STAGE_TAG: stage, **owner_tags(), **tags}
     run_id = client.create_run(target.experiment_id, run_name=run_name or stage, tags=run_tags).info.run_id
     MlflowLogger(run_id, client).log_params(params)
     try:

@@ -13,7 +13,7 @@ A server that stays away longer fails the stage with the client's error. Retryin
 same minutes again (and an attempt that cannot reach MLflow cannot even open its run), so such a failure is not
 retried (tasks/retries.py), and no failed MLflow run (of that stage, of a stage stopped beside it, of the
 pipeline) is closed on a tracking server that is gone (tasks/mlflow_runs.py): that would wait the minutes once
-more, to fail; the run stays RUNNING there. The
+more, to fail; the run stays RUNNING there until the next pipeline run closes it (tasks/run_owner.py). The
 command then ends with `lost_service_line`, one line naming the service and its URL. The interrupted stage has
 no metrics.json (it is incomplete by the project's rule) and the same command run again reuses the finished
 stages and resumes that one from its newest checkpoint (tasks/resume.py).

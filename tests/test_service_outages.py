@@ -230,6 +230,9 @@ def test_a_tracking_server_away_too_long_stops_the_run_in_one_line_and_a_rerun_r
     assert Path(stages["prepare-data"]) == data_dir and directory_sha256(data_dir) == data_hash  # reused, unchanged
     assert Path(stages["sft"]) == sft_dir  # the interrupted stage resumed where it was
     assert json.loads((sft_dir / METRICS_FILE).read_text()).get("resumed_from", 0) >= 2
+    statuses = mlflow_run_statuses(services.tracking_uri)
+    assert "RUNNING" not in {status for _, status in statuses}  # the stopped attempt's runs, closed by the rerun
+    assert ("sft", "FAILED") in statuses and ("sft", "FINISHED") in statuses
 
 
 def closed_port_url() -> str:
