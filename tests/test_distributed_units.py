@@ -1,16 +1,21 @@
 """The single-process building blocks of rlhf_core/distributed: rank context, sharding, collectives.
 
 With one process the collectives return their input's value, which is what keeps the single-process
-path unchanged; their multi-rank behaviour is covered by the 2-process equivalence tests.
+path unchanged; their multi-rank behaviour is covered by the 2-process equivalence tests, and
+`computed_on_main`'s by two gloo processes here.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.collectives import (
+    computed_on_main,
     gather_moments,
     global_masked_mean_var,
     sum_counts,
@@ -60,3 +65,29 @@ def test_collectives_of_one_process_return_their_input() -> None:
     mean, var = global_masked_mean_var(x, mask)
     torch.testing.assert_close(mean, masked_mean(x, mask), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(var, masked_var(x, mask), rtol=1e-6, atol=1e-7)
+
+
+def hash_on_main_rank(rank: int, store: str, results: str) -> None:
+    """One rank of `computed_on_main`'s test: rank 0 answers (and then fails); what each rank got is written down."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    calls = []
+    answer = computed_on_main(lambda: calls.append(rank) or f"hashed by rank {rank}")
+    try:
+        computed_on_main(lambda: 1 / 0)
+        failure = "none"
+    except ZeroDivisionError as error:
+        failure = type(error).__name__
+    torch.distributed.destroy_process_group()
+    Path(f"{results}.{rank}").write_text(json.dumps({"answer": answer, "calls": calls, "failure": failure}))
+
+
+@pytest.mark.slow  # two gloo processes
+def test_computed_on_main_runs_on_rank_0_alone_and_every_rank_gets_its_answer_or_its_error(tmp_path: Path) -> None:
+    results = tmp_path / "rank"
+    torch.multiprocessing.spawn(hash_on_main_rank, args=(str(tmp_path / "store"), str(results)), nprocs=2)
+    got = [json.loads(Path(f"{results}.{rank}").read_text()) for rank in range(2)]
+    assert got == [
+        {"answer": "hashed by rank 0", "calls": [0], "failure": "ZeroDivisionError"},
+        {"answer": "hashed by rank 0", "calls": [], "failure": "ZeroDivisionError"},
+    ]
+    assert computed_on_main(lambda: "alone") == "alone"  # one process: just the call

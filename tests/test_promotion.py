@@ -57,6 +57,7 @@ from rlhf_core.config import Config, load_config
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.reward.training_data import training_data_record, write_training_data
 from rlhf_core.stages.ppo import write_reward_record
+from rlhf_core.stages.training_run import model_dir_sha256
 from tasks.caching import with_cache_dir
 from tasks.evaluation import JudgeSpec, evaluate_task
 from tasks.lineage import flow_run_tags
@@ -207,7 +208,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
         `sft` gets a marker file: new content, the same weights."""
         out_dir = root / f"policy-{variant}"
         shutil.copytree(inputs.sft_dir, out_dir)
-        write_reward_record(out_dir, inputs.rm_dir)
+        rm_record = {"path": str(inputs.rm_dir.resolve()), "sha256": model_dir_sha256(inputs.rm_dir / "model")}
+        write_reward_record(out_dir, rm_record)
         if variant != "sft":
             (out_dir / "model" / "variant.txt").write_text(variant)
         tags = {

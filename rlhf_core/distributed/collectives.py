@@ -7,11 +7,15 @@ float64 (counts in int64) on the communication device (CUDA for NCCL, CPU for gl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 Moments = tuple[int, float, float]
+T = TypeVar("T")
 
 
 def group_size() -> int:
@@ -19,6 +23,25 @@ def group_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
+
+
+def computed_on_main(compute: Callable[[], T]) -> T:
+    """`compute()` run by rank 0 alone, its result (or its error, raised on every rank) sent to all ranks.
+
+    For work whose answer every rank needs but one rank can find, such as hashing input files.
+    """
+    if group_size() == 1:
+        return compute()
+    holder: list[object] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            holder[0] = compute()
+        except Exception as error:  # every rank raises it, none waits for a result that never comes
+            holder[0] = error
+    torch.distributed.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], Exception):
+        raise holder[0]
+    return holder[0]  # type: ignore[return-value]
 
 
 def _comm_device() -> torch.device:

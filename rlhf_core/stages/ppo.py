@@ -45,6 +45,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import CollapseGuardConfig, Config
 from rlhf_core.data.prepare import load_split
+from rlhf_core.distributed.collectives import computed_on_main
 from rlhf_core.distributed.context import stage_context
 from rlhf_core.layout import (
     CHECKPOINTS_DIR,
@@ -85,6 +86,7 @@ SELECTION_RULE = (
     "more than 2 paired standard errors of the per-prompt reward on the held-out PPO validation prompts"
 )
 REWARD_RECORD_FILE = "reward_model.json"
+REWARD_MODEL_INPUT = "reward model"  # the reward model's name among a run's inputs (run_inputs.json)
 HEADLINE_MONITORS = ("reward/score_mean", "kl/token_k3", "perplexity/policy", "response/length_mean")
 
 
@@ -242,7 +244,7 @@ def ppo_run_inputs(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path) 
         {
             "data": file_sha256(data_dir / DATA_REPORT_FILE),
             "SFT model": model_dir_sha256(sft_dir / MODEL_DIR),
-            "reward model": model_dir_sha256(rm_dir / MODEL_DIR),
+            REWARD_MODEL_INPUT: model_dir_sha256(rm_dir / MODEL_DIR),
         },
     )
 
@@ -262,16 +264,20 @@ def run_ppo(
     started = time.perf_counter()
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
     with stage_lock(out_dir, "ppo"):
-        trainer = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
+        trainer, inputs = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
         if not trainer.context.is_main:  # the other ranks train alongside, write nothing
             result = fit(trainer, out_dir / CHECKPOINTS_DIR)
             return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / MODEL_DIR)
         result = _fit_logged(trainer, config, out_dir, logger)
-        return _write_outputs(result, trainer, sft_dir, rm_dir, out_dir, time.perf_counter() - started)
+        reward_record = {"path": str(rm_dir.resolve()), "sha256": inputs.inputs[REWARD_MODEL_INPUT]}
+        return _write_outputs(result, trainer, sft_dir, reward_record, out_dir, time.perf_counter() - started)
 
 
-def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path) -> PPOTrainer:
-    """The trainer, once the checkpoints are known to belong to these inputs (a refusal touches nothing)."""
+def _prepare_run(
+    config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path
+) -> tuple[PPOTrainer, RunInputs]:
+    """The trainer and the run's inputs, once the checkpoints are known to belong to them (a refusal touches
+    nothing)."""
     context = stage_context(config.distributed)  # the process group before any engine can start its own
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
@@ -284,13 +290,13 @@ def _prepare_run(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, ou
         config.distributed.bf16,
         config.distributed,
     )
-    inputs = ppo_run_inputs(config, data_dir, sft_dir, rm_dir)
+    inputs = computed_on_main(lambda: ppo_run_inputs(config, data_dir, sft_dir, rm_dir))  # hashed once, not per rank
     check_resumable(out_dir / CHECKPOINTS_DIR, inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_completion_markers(out_dir)
     if context.is_main:
         record_run_inputs(out_dir / CHECKPOINTS_DIR, inputs)
-    return trainer
+    return trainer, inputs
 
 
 def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: MetricsLogger | None) -> FitResult:
@@ -307,7 +313,7 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
 
 
 def _write_outputs(
-    result: FitResult, trainer: PPOTrainer, sft_dir: Path, rm_dir: Path, out_dir: Path, seconds: float
+    result: FitResult, trainer: PPOTrainer, sft_dir: Path, reward: dict[str, str], out_dir: Path, seconds: float
 ) -> StageResult:
     """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
@@ -320,7 +326,7 @@ def _write_outputs(
     plot_figure_4(rows, out_dir / PLOTS_DIR)
     plot_validation_gain(result.validations, result.selection.step, out_dir / PLOTS_DIR / "validation_gain.png")
     metrics = stage_metrics(result, rows, seconds, trainer.guard.bounds)
-    write_reward_record(out_dir, rm_dir)
+    write_reward_record(out_dir, reward)
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
 
@@ -331,9 +337,9 @@ def guard_message(out_dir: Path) -> str | None:
     return path.read_text(encoding="utf-8").strip() if path.is_file() else None
 
 
-def write_reward_record(out_dir: Path, rm_dir: Path) -> None:
-    """`out_dir/reward_model.json`: which reward model (`rm_dir/model`) this policy was optimised against."""
-    record = {"path": str(Path(rm_dir).resolve()), "sha256": model_dir_sha256(Path(rm_dir) / MODEL_DIR)}
+def write_reward_record(out_dir: Path, record: dict[str, str]) -> None:
+    """`out_dir/reward_model.json`: which reward model (`path`: its stage directory, `sha256`: its model's
+    content) this policy was optimised against."""
     atomic_write_text(Path(out_dir) / REWARD_RECORD_FILE, json.dumps(record, indent=2) + "\n")
 
 
