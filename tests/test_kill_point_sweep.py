@@ -1,7 +1,8 @@
-"""The kill-point sweep of a whole `rlhf run` (issue 30), short: SIGKILL between two stages, inside the
-evaluation and inside the registration, rerun each to the end, and compare every model file, the
-evaluation and the registry with an uninterrupted run. scripts/kill_point_sweep.py runs the full sweep
-(20 points or more) with the same code (tests/fixtures/kill_sweep*.py).
+"""The kill-point sweep of a whole `rlhf run` (issue 30), short: SIGKILL inside the evaluation, and inside
+the registration once the first model's files reach the MLflow store, before any version exists; rerun
+each to the end, and compare every model file, the evaluation and the registry with an uninterrupted run.
+scripts/kill_point_sweep.py runs the full sweep (20 points or more, stage boundaries included) with the
+same code (tests/fixtures/kill_sweep*.py).
 
 The point choice and the comparison are tested on their own first, without processes.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.kill_sweep import START, KillPoint, Project, Timeline, choose_points, write_data
+from fixtures.kill_sweep import LOGGED_MODEL_FILES, START, KillPoint, Project, Timeline, choose_points, write_data
 from fixtures.kill_sweep_compare import differences, registry_problems, stage_dirs
 from fixtures.kill_sweep_runs import reference_run, sweep_point
 
@@ -37,6 +38,8 @@ def test_points_cover_every_stage_boundary_evaluation_and_registration_and_are_s
     assert boundaries == set(STAGES) and all(p.delay_s == 0 for p in points if p.kind == "boundary")
     assert {point.anchor for point in points if point.kind == "evaluate"} == {"evaluate"}
     assert {point.anchor for point in points if point.kind == "register"} == {"register"}
+    on_files = [point.until_exists for point in points if point.kind == "register"]
+    assert on_files[0] == LOGGED_MODEL_FILES and not any(on_files[1:])  # the first: before any version
     assert all(0 <= point.offset_s <= 140 and point.delay_s >= 0 for point in points)
     assert [point.offset_s for point in points] == sorted(point.offset_s for point in points)
 
@@ -70,16 +73,18 @@ def test_differences_name_the_item_and_the_registry_is_checked_on_its_own() -> N
 
 
 @pytest.mark.slow  # whole `rlhf run` processes, each with its own Prefect server
-def test_a_run_killed_between_stages_in_evaluation_and_in_registration_reruns_to_the_same_end(tmp_path: Path) -> None:
+def test_a_run_killed_in_evaluation_and_in_registration_before_any_version_reruns_to_the_same_end(
+    tmp_path: Path,
+) -> None:
     data = write_data(tmp_path)
     reference, timeline = reference_run(Project(tmp_path / "reference", data))
     spans = {stage: offset for offset, stage in timeline.stage_starts()}
-    register_s = timeline.wall_s - spans["register"]
     points = [
-        KillPoint(1, "boundary", "evaluate", 0.0, spans["evaluate"]),  # PPO done, evaluation just announced
-        KillPoint(2, "evaluate", "evaluate", (spans["register"] - spans["evaluate"]) / 2, 0.0),
-        KillPoint(3, "register", "register", register_s / 3, 0.0),
+        KillPoint(1, "evaluate", "evaluate", (spans["register"] - spans["evaluate"]) / 2, 0.0),
+        KillPoint(2, "register", "register", 0.0, spans["register"], until_exists=LOGGED_MODEL_FILES),
     ]
     results = [sweep_point(Project(tmp_path / f"point-{p.index}", data).create(), p, reference) for p in points]
     assert [result.row() for result in results if not result.matches] == []
     assert all(result.killed.killed for result in results), [result.row() for result in results]
+    in_registration = results[1]
+    assert in_registration.registry_at_kill == {}, in_registration.registry_at_kill  # killed before any version
