@@ -17,7 +17,10 @@ file lock of rlhf_core/file_lock.py on `<PREFECT_HOME>/<limit name>.lock`, whose
 stage holding it (pid, host, start time) to the stage that waits. The temporary server cannot hold the slot: it does not
 run Prefect's lease reaper (the repossessor is not among the services of an ephemeral server), so the
 slot of a run killed while it trained stayed taken in PREFECT_HOME's database for good and every later
-run waited forever. The kernel releases a `flock` when its holder dies, however it dies.
+run waited forever. The kernel releases a `flock` when its holder dies, however it dies. The same goes for
+a server that keeps its leases in memory (Prefect's default lease storage): a restart of it forgets the
+lease of a stage that is training, and the slot stayed taken for good (docs/service-outages.md); with such
+a server the slot is the file lock too, and `rlhf run` and `rlhf serve` say so in a warning.
 
 Within one pipeline run, stages that train at once (the judge reward model beside SFT and the reward
 model, flows/pipeline.py) split the machine's cores between them and count as one training stage: the run
@@ -44,6 +47,7 @@ from prefect.logging import get_logger
 from prefect.settings import get_current_settings
 
 from rlhf_core.file_lock import LockTakenError, acquire_lock
+from tasks.service_outages import MEMORY_LEASE_STORAGE, server_lease_storage
 
 TRAINING_SLOTS = 1
 LIMIT_PREFIX = "rlhf-training"
@@ -130,7 +134,8 @@ def training_slot(stage: str, name: str | None = None) -> Iterator[None]:
 def exclusive_training_slot(stage: str, name: str | None = None) -> Iterator[None]:
     """One slot of this machine's training limit, this block's alone, held for `stage`."""
     limit = name or training_limit_name()
-    if get_current_settings().api.url is None:  # Prefect's temporary server
+    api_url = get_current_settings().api.url
+    if api_url is None or server_lease_storage(api_url) == MEMORY_LEASE_STORAGE:  # see the module docstring
         with training_lock(Path(get_current_settings().home) / f"{limit}.lock", stage):
             yield
         return

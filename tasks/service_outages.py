@@ -105,23 +105,29 @@ def lost_service_line(error: BaseException) -> str | None:
     return None
 
 
-def memory_leases_warning(api_url: str) -> str | None:
-    """A warning when the Prefect server at `api_url` keeps concurrency leases in memory (Prefect's default);
-    None when it keeps them elsewhere or does not say (an older server, one behind authentication).
-
-    A restart of such a server forgets the lease of the training slot a running stage holds, the slot stays
-    taken, and every later training stage waits for it forever (docs/service-outages.md).
-    """
+def server_lease_storage(api_url: str) -> str | None:
+    """Where the Prefect server at `api_url` keeps concurrency leases (its lease storage module); None when it
+    does not say (an older server, one behind authentication, one that does not answer within seconds)."""
     try:
         with urllib.request.urlopen(f"{api_url.rstrip('/')}/admin/settings", timeout=SETTINGS_TIMEOUT_S) as response:
-            storage = json.load(response)["server"]["concurrency"]["lease_storage"]
+            return str(json.load(response)["server"]["concurrency"]["lease_storage"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if storage != MEMORY_LEASE_STORAGE:
+
+
+def memory_leases_warning(api_url: str) -> str | None:
+    """A warning when the Prefect server at `api_url` keeps concurrency leases in memory (Prefect's default);
+    None when it keeps them elsewhere or does not say.
+
+    A restart of such a server forgets the lease of the training slot a running stage holds, and the slot
+    would stay taken for good: with such a server the training slot is this machine's file lock instead
+    (tasks/concurrency.py), which the Prefect UI does not show (docs/service-outages.md).
+    """
+    if server_lease_storage(api_url) != MEMORY_LEASE_STORAGE:
         return None
     return (
-        f"the Prefect server at {api_url} keeps concurrency leases in memory: if it restarts while a stage trains, "
-        f"the training slot stays taken and later stages wait for it forever; start it with "
+        f"the Prefect server at {api_url} keeps concurrency leases in memory, which a restart forgets: the "
+        f"training slot is this machine's file lock instead of its global concurrency limit; start the server with "
         f"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE={FILE_LEASE_STORAGE}"
     )
 

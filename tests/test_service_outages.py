@@ -19,11 +19,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,7 @@ from fixtures.commands import RLHF_COMMAND, summary_lines
 from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
-from fixtures.servers import free_port, start_mlflow_server, start_prefect_server, stop_server
+from fixtures.servers import free_port, prefect_settings_server, start_mlflow_server, start_prefect_server, stop_server
 from mlflow import MlflowClient
 
 from rlhf_core.layout import METRICS_FILE
@@ -275,25 +273,8 @@ def test_a_refused_request_to_the_prefect_api_is_its_line_and_one_elsewhere_is_n
 
 @pytest.mark.parametrize("storage", [MEMORY_LEASE_STORAGE, FILE_LEASE_STORAGE])
 def test_a_prefect_server_keeping_leases_in_memory_is_warned_about(storage: str) -> None:
-    settings = json.dumps({"server": {"concurrency": {"lease_storage": storage}}}).encode()
-
-    class AdminSettings(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
-            self.send_response(200 if self.path == "/api/admin/settings" else 404)
-            self.end_headers()
-            self.wfile.write(settings)
-
-        def log_message(self, *args: object) -> None:
-            """Quiet."""
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), AdminSettings)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    api_url = f"http://127.0.0.1:{server.server_address[1]}/api"
-    try:
+    with prefect_settings_server(storage) as api_url:
         warning = memory_leases_warning(api_url)
-    finally:
-        server.shutdown()
-        server.server_close()
     if storage == MEMORY_LEASE_STORAGE:
         assert warning is not None and warning.startswith(f"the Prefect server at {api_url} keeps concurrency leases")
         assert warning.endswith(f"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE={FILE_LEASE_STORAGE}")

@@ -1,5 +1,5 @@
-"""The machine's training slot without a Prefect server: an exclusive file lock (tasks/concurrency.py, the
-lock of rlhf_core/file_lock.py).
+"""The machine's training slot without a Prefect server, or with one that keeps its leases in memory: an
+exclusive file lock (tasks/concurrency.py, the lock of rlhf_core/file_lock.py).
 
 With Prefect's temporary server the slot cannot be a global concurrency limit: that server does not
 reap the leases of killed holders, so one killed run kept every later run waiting forever. These tests
@@ -18,10 +18,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from fixtures.servers import prefect_settings_server
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
 from tasks import concurrency
 from tasks.concurrency import shared_training_slot, training_lock, training_slot
+from tasks.service_outages import MEMORY_LEASE_STORAGE
 
 WAIT_POLLS = 400  # of 50 ms: how long a test waits for the other thread before it fails instead of hanging
 
@@ -116,3 +118,12 @@ def test_stages_of_one_run_that_train_at_once_share_one_slot_until_the_run_gives
 def _train(name: str, inside: list[str]) -> None:
     with training_slot(name):
         inside.append("beside")
+
+
+def test_with_a_server_that_keeps_leases_in_memory_the_slot_is_the_lock_too(tmp_path: Path) -> None:
+    # The stand-in server answers only its settings: taking its global concurrency limit instead would fail.
+    with prefect_settings_server(MEMORY_LEASE_STORAGE) as api_url:
+        with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_HOME: str(tmp_path)}):
+            with training_slot("sft", "rlhf-training-test-host"):
+                assert is_locked(tmp_path / "rlhf-training-test-host.lock")
+    assert not is_locked(tmp_path / "rlhf-training-test-host.lock")
