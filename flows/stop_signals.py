@@ -4,8 +4,9 @@
 orderly way when signalled: the signal becomes an exception (or Prefect's graceful shutdown), so that
 `finally` blocks run, the flow run is marked, and the servers and processes the command started are
 stopped. An orderly stop waits on other processes (the Prefect API, a server's shutdown), so each
-command also starts a deadline at the first signal (`with_deadline`): past it, the command stops what
-it started outright, says so in one line and exits. A stop that finishes in time leaves through
+command also starts a deadline at the first signal (`with_deadline`, or `deadline_after_stop_signal`
+where Prefect's flow engine may take the signal first): past it, the command stops what it started
+outright, says so in one line and exits. A stop that finishes in time leaves through
 `exit_without_teardown`, which skips the interpreter's slow teardown.
 """
 
@@ -16,7 +17,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -43,6 +45,40 @@ def with_deadline(previous: SignalHandler | int | None, grace_s: float, overrun:
             sys.exit(128 + signal_number)
 
     return handle
+
+
+@contextmanager
+def deadline_after_stop_signal(grace_s: float, overrun: Callable[[int], Any]) -> Iterator[None]:
+    """Within the block, `overrun(signal_number)` runs on a timer thread `grace_s` after the first SIGINT or
+    SIGTERM, whichever Python handler takes the signal; it must end the process.
+
+    A handler of our own is not enough: during a flow run Prefect's engine installs its own SIGTERM handler,
+    and calls the one before it only once the flow's task threads have ended (an ablation's PPO stage trains
+    on in one for an hour). So the signal is seen where the interpreter's C handler writes it, the wakeup
+    file descriptor (`signal.set_wakeup_fd`), by a watcher thread.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(read_fd, 64):  # empty once the block has ended and closed the pipe
+            stop = next((number for number in data if number in STOP_SIGNALS), None)
+            if stop is not None:
+                timer = threading.Timer(grace_s, overrun, args=(stop,))
+                timer.daemon = True
+                timer.start()
+                return
+
+    watcher = threading.Thread(target=watch, name="rlhf-stop-deadline", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_fd)
+        watcher.join()
+        os.close(read_fd)
 
 
 def exit_without_teardown(status: int) -> NoReturn:

@@ -26,7 +26,8 @@ PID 1 and listening on its port (issue 30). Here SIGINT and SIGTERM raise in the
 start to end (the flow logs the stage it stopped in, flows/pipeline.py); once Prefect has marked the
 flow run, the command sends the run's last log lines, stops the server, says in one line that it
 stopped and exits with 128 + the signal, all within STOP_GRACE_S of the signal, or else kills the
-server and exits (flows/stop_signals.py). The stage it stopped in has no `metrics.json`, so it is incomplete, and the
+server and exits (flows/stop_signals.py); that deadline starts at the signal even when Prefect's flow
+engine takes it and waits for a task thread that trains on (an ablation's variants train in threads). The stage it stopped in has no `metrics.json`, so it is incomplete, and the
 same command run again resumes it (tasks/resume.py). tests/test_run_signals.py checks it all.
 """
 
@@ -44,7 +45,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from flows.stop_signals import STOP_SIGNALS, exit_without_teardown, signal_name, stop_signal, with_deadline
+from flows.stop_signals import (
+    STOP_SIGNALS,
+    deadline_after_stop_signal,
+    exit_without_teardown,
+    signal_name,
+    stop_signal,
+)
 from rlhf_cli.library_logs import library_log, run_log_path
 from rlhf_cli.options import resolve_config
 from rlhf_core.config import Config
@@ -151,10 +158,10 @@ def stop_in_order(server: SubprocessASGIServer | None) -> Iterator[None]:
         stopping.set()
         raise KeyboardInterrupt if signal_number == signal.SIGINT else TerminationSignal(signal=signal_number)
 
-    handler = with_deadline(raise_once, STOP_GRACE_S, partial(stop_now, server))
-    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+    previous = {number: signal.signal(number, raise_once) for number in STOP_SIGNALS}
     try:
-        yield
+        with deadline_after_stop_signal(STOP_GRACE_S, partial(stop_now, server)):
+            yield
     except (KeyboardInterrupt, TerminationSignal) as stop:
         number = stop_signal(stop)
         APILogWorker.drain_all(timeout=LOG_DRAIN_S)  # the flow run's last lines (the stage it stopped) first
