@@ -38,3 +38,5 @@ def owner_is_gone(tags: dict[str, str]) -> bool:
         return repr(process.create_time()) != tags[STARTED_TAG]  # the pid now names another process
     except psutil.NoSuchProcess:
         return True
+    except psutil.AccessDenied:  # another user's process, which this one may not look at: it exists
+        return False
