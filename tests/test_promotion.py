@@ -208,8 +208,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
         `sft` gets a marker file: new content, the same weights."""
         out_dir = root / f"policy-{variant}"
         shutil.copytree(inputs.sft_dir, out_dir)
-        rm_record = {"path": str(inputs.rm_dir.resolve()), "sha256": model_dir_sha256(inputs.rm_dir / "model")}
-        write_reward_record(out_dir, rm_record)
+        write_reward_record(out_dir, inputs.rm_dir, model_dir_sha256(inputs.rm_dir / "model"))
         if variant != "sft":
             (out_dir / "model" / "variant.txt").write_text(variant)
         tags = {

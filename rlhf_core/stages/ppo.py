@@ -269,8 +269,8 @@ def run_ppo(
             result = fit(trainer, out_dir / CHECKPOINTS_DIR)
             return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / MODEL_DIR)
         result = _fit_logged(trainer, config, out_dir, logger)
-        reward_record = {"path": str(rm_dir.resolve()), "sha256": inputs.inputs[REWARD_MODEL_INPUT]}
-        return _write_outputs(result, trainer, sft_dir, reward_record, out_dir, time.perf_counter() - started)
+        write_reward_record(out_dir, rm_dir, inputs.inputs[REWARD_MODEL_INPUT])  # hashed once, with the inputs
+        return _write_outputs(result, trainer, sft_dir, out_dir, time.perf_counter() - started)
 
 
 def _prepare_run(
@@ -313,7 +313,7 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
 
 
 def _write_outputs(
-    result: FitResult, trainer: PPOTrainer, sft_dir: Path, reward: dict[str, str], out_dir: Path, seconds: float
+    result: FitResult, trainer: PPOTrainer, sft_dir: Path, out_dir: Path, seconds: float
 ) -> StageResult:
     """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
@@ -326,7 +326,6 @@ def _write_outputs(
     plot_figure_4(rows, out_dir / PLOTS_DIR)
     plot_validation_gain(result.validations, result.selection.step, out_dir / PLOTS_DIR / "validation_gain.png")
     metrics = stage_metrics(result, rows, seconds, trainer.guard.bounds)
-    write_reward_record(out_dir, reward)
     write_metrics(out_dir, metrics)
     return StageResult(out_dir=out_dir, metrics=metrics, model_dir=out_dir / MODEL_DIR)
 
@@ -337,9 +336,10 @@ def guard_message(out_dir: Path) -> str | None:
     return path.read_text(encoding="utf-8").strip() if path.is_file() else None
 
 
-def write_reward_record(out_dir: Path, record: dict[str, str]) -> None:
-    """`out_dir/reward_model.json`: which reward model (`path`: its stage directory, `sha256`: its model's
-    content) this policy was optimised against."""
+def write_reward_record(out_dir: Path, rm_dir: Path, rm_sha256: str) -> None:
+    """`out_dir/reward_model.json`: which reward model (`rm_dir`, whose model's content hash is `rm_sha256`)
+    this policy was optimised against; `reward_record` reads it."""
+    record = {"path": str(Path(rm_dir).resolve()), "sha256": rm_sha256}
     atomic_write_text(Path(out_dir) / REWARD_RECORD_FILE, json.dumps(record, indent=2) + "\n")
 
 
