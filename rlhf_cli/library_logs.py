@@ -48,7 +48,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, ParamSpec
 
-from rlhf_cli.quiet_libraries import silence_libraries_unless_watched
+from rlhf_cli.quiet_libraries import hide_mlflow_run_links, silence_libraries_unless_watched
 from rlhf_core.layout import RUNS_DIR
 
 TERMINAL_LOGGERS = ("prefect", "rlhf_core", "tasks", "flows", "rlhf_cli")
@@ -198,8 +198,10 @@ def library_logs_to(path: Path) -> Iterator[Path]:
 def library_log(path: Path) -> Iterator[Path]:
     """Run a command's block quietly: the libraries' own bars and notices off unless someone watches stderr
     (rlhf_cli/quiet_libraries.py), their messages in `path`. After a block that worked and left messages,
-    print the file's name (so print the summary inside the block); after a failure, its error is last."""
+    print the file's name (so print the summary inside the block); after a failure, its error is last.
+    MLflow's run links stay off stdout in every case: the summary names the run."""
     silence_libraries_unless_watched()
+    hide_mlflow_run_links()
     with library_logs_to(path):
         yield path
     if path.exists():

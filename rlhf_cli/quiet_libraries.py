@@ -13,6 +13,10 @@ and transformers' `save_pretrained` imports it (through accelerate) in every sta
 switch, DS_ACCELERATOR, skips the detection by naming the accelerator, so it is set to `cpu` only where
 the detection would find nothing (`deepspeed_cpu_setting`); a machine with a GPU keeps the detection.
 
+MLflow also writes two lines to stdout ("View run ... at", "View experiment at") whenever a run ends on a
+tracking server: one pair per stage, four for registration. The command's summary names the pipeline's
+MLflow run, so these are switched off in every case, watched or not (`hide_mlflow_run_links`).
+
 What has no switch is diverted instead (rlhf_cli/library_logs.py): MLflow's and transformers' warnings,
 and Prefect's "Still processing items" while its events are sent. (The diversion also catches DeepSpeed's
 warning where DS_ACCELERATOR was set by the user to something else.)
@@ -31,6 +35,8 @@ QUIET_LIBRARY_SETTINGS = {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # MLflow's artifact upload and download bars
     "DO_NOT_TRACK": "1",  # Prefect's client telemetry, and with it the first-run notice
 }
+
+MLFLOW_RUN_LINKS_SETTING = ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 # Packages whose import DeepSpeed's accelerator detection tries (deepspeed/accelerator/real_accelerator.py);
 # torch's own devices (CUDA, XPU, MPS) are covered by `torch.accelerator`.
@@ -75,3 +81,9 @@ def silence_libraries_unless_watched() -> None:
     terminal, or RLHF_QUIET is set."""
     if not bars_enabled():
         silence_libraries()
+
+
+def hide_mlflow_run_links() -> None:
+    """Switch off MLflow's "View run" and "View experiment" lines on stdout (module docstring), unless the
+    user set the switch; the processes a command starts inherit it."""
+    os.environ.setdefault(*MLFLOW_RUN_LINKS_SETTING)

@@ -22,11 +22,19 @@ import pytest
 from fixtures.commands import RLHF_COMMAND
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
+from mlflow import MlflowClient
 from mlflow.utils.logging_utils import eprint
 from prefect.logging.configuration import ensure_logging_setup
 
 from flows.failed_stage import failed_stage, mark_failed_stage
-from rlhf_cli.library_logs import PREFECT_DIR, TRACEBACK_LOG_ATTRIBUTE, library_logs_to, run_log_path, traceback_log
+from rlhf_cli.library_logs import (
+    PREFECT_DIR,
+    TRACEBACK_LOG_ATTRIBUTE,
+    library_log,
+    library_logs_to,
+    run_log_path,
+    traceback_log,
+)
 from rlhf_cli.main import error_line
 
 RUN_TIMEOUT_S = 900  # a guard for a hung run, not a measurement
@@ -92,6 +100,21 @@ def test_library_messages_go_to_the_file_and_ours_stay_on_the_terminal(
     assert its_own_handler.messages == []
     captured = capsys.readouterr()
     assert "Successfully registered" not in captured.err + captured.out
+
+
+def test_runs_ending_on_a_tracking_server_print_no_links_on_stdout(
+    mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow prints "View run ... at" and "View experiment at" to stdout when a run ends on a server (two
+    lines per stage of `rlhf run`, eight for registration); the command's summary names the run instead."""
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)  # restored after the test
+    client = MlflowClient(mlflow_server)
+    with library_log(run_log_path(tmp_path / "runs")):
+        run = client.create_run(experiment_id="0", run_name="a-stage")
+        client.set_terminated(run.info.run_id)
+
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert "View run" not in capsys.readouterr().out
 
 
 def test_nothing_to_divert_leaves_no_file(tmp_path: Path) -> None:
