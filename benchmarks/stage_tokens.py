@@ -23,7 +23,7 @@ from rlhf_core.ppo.scoring import chunks
 from rlhf_core.reward.batch import EncodedPair, encode_pairs, padded_pair_length
 from rlhf_core.sft.batch import encode_examples, evaluation_chunks
 from rlhf_core.stages.sft import heldout_pairs
-from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
+from rlhf_core.training.batching import BatchPlan, batch_plan, fixed_size_plan
 
 Params = Mapping[str, Any]
 GENERATION_BATCH_SIZE = 8  # rlhf_core/stages/evaluate.py's
@@ -59,7 +59,7 @@ def sft_work(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir: Pa
     size, trained = settings["micro_batch_size"], settings["trainable_top_layers"] or shape.layers
     examples = load_split(data_dir, "sft")
     train = encode_examples(tokenizer, [(e.prompt, e.response) for e in examples], settings["max_length"]).encoded
-    plan = fixed_size_plan(len(train), seed, size, settings["grad_accum_steps"])
+    plan = logged_plan(settings, [len(example.input_ids) for example in train], seed)
     works = [lm_batch(shape, [train[i] for i in micro], shape.layers, trained) for micro in plan_batches(plan, steps)]
     pairs = heldout_pairs(data_dir)
     heldout = encode_examples(tokenizer, [(p.prompt, p.chosen) for p in pairs], settings["max_length"]).encoded
@@ -79,12 +79,17 @@ def pair_batch(shape: ModelShape, pairs: Sequence[EncodedPair], blocks: int, lm:
     return chosen_work + rejected_work
 
 
-def reward_plan(pairs: Sequence[EncodedPair], settings: Params, seed: int) -> BatchPlan:
-    """`pair_batch_plan` of rlhf_core/stages/reward.py, from the logged settings."""
-    if settings["batching"] == "fixed":
-        return fixed_size_plan(len(pairs), seed, settings["micro_batch_size"], settings["grad_accum_steps"])
-    lengths = [padded_pair_length(pair) for pair in pairs]
-    return token_budget_plan(lengths, seed, settings["token_budget"], settings["grad_accum_steps"])
+def logged_plan(settings: Params, lengths: Sequence[int], seed: int) -> BatchPlan:
+    """The stage's batch plan (`batch_plan`, as SFT and `pair_batch_plan` build it) from its logged
+    settings; a run logged before SFT had a `batching` setting used fixed-size batches."""
+    return batch_plan(
+        settings.get("batching", "fixed"),
+        lengths,
+        seed,
+        micro_batch_size=settings["micro_batch_size"],
+        token_budget=settings.get("token_budget", 0),
+        accumulation_steps=settings["grad_accum_steps"],
+    )
 
 
 def reward_work(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir: Path, params: Params) -> Work:
@@ -98,7 +103,7 @@ def reward_work(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir:
     blocks = trained if cached else shape.layers
     train = encode_pairs(tokenizer, load_split(data_dir, params["train_split"]), settings["max_length"]).pairs
     val = encode_pairs(tokenizer, load_split(data_dir, "rm_val"), settings["max_length"]).pairs
-    micros = plan_batches(reward_plan(train, settings, seed), steps)
+    micros = plan_batches(logged_plan(settings, [padded_pair_length(pair) for pair in train], seed), steps)
     works = [pair_batch(shape, [train[i] for i in micro], blocks, lm, trained) for micro in micros]
     val_batches = [[val[i] for i in chunk] for chunk in evaluation_chunks(len(val), size, seed)]
     counts = validation_batch_counts(steps, settings["eval_every"], settings["eval_batches"], len(val_batches))

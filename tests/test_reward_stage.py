@@ -183,11 +183,12 @@ def test_frozen_layer_cache_changes_no_number(marker_data_dir: Path, tmp_path: P
         assert float(difference.max()) < 1e-4 and float(difference.mean()) < 1e-7, name
 
 
-def test_token_budget_batching_trains(marker_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("batching", ["token_budget", "length_grouped"])
+def test_other_batchings_train(batching: str, marker_data_dir: Path, tmp_path: Path) -> None:
     config = uncapped_config(
         "reward.init_from=base",
         "reward.max_steps=3",
-        "reward.batching=token_budget",
+        f"reward.batching={batching}",
         "reward.token_budget=1200",
     )
     metrics = run_train_rm(config, marker_data_dir, None, tmp_path / "rm").metrics

@@ -93,6 +93,13 @@ def test_sft_writes_model_metrics_history_and_checkpoints(
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000002", "step-00000004"]
 
 
+def test_length_grouped_batching_trains_as_many_steps_and_learns(multi_turn_data_dir: Path, tmp_path: Path) -> None:
+    metrics = run_sft(tiny_config("sft.batching=length_grouped"), multi_turn_data_dir, tmp_path / "sft").metrics
+    assert metrics["steps"] == 4 and metrics["perplexity_after"] < metrics["perplexity_before"]
+    params = json.loads((tmp_path / "sft" / "history.params.json").read_text())
+    assert params["sft"]["batching"] == "length_grouped"
+
+
 def test_sft_plots_training_loss_and_heldout_perplexity_over_the_steps(
     first_run: tuple[Path, dict[str, float], RecordingLogger],
 ) -> None:

@@ -9,6 +9,8 @@ from pydantic import Field
 from rlhf_core.config.base import Section
 from rlhf_core.config.lora import LoraConfig
 
+Batching = Literal["fixed", "length_grouped", "token_budget"]
+
 
 class TrainingConfig(Section):
     """What the shared training loop needs; SFT and the reward model each have one (CPU-sized defaults)."""
@@ -16,6 +18,13 @@ class TrainingConfig(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (fractions allowed).")
     max_steps: int | None = Field(None, gt=0, description="Caps the optimizer steps if set.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences (pairs for the reward model) per forward pass.")
+    batching: Batching = Field(
+        "fixed",
+        description="fixed: micro_batch_size examples in a seeded random order; length_grouped: the same, "
+        "each micro-batch of similar lengths (less padding); token_budget: the paper's dynamic batching, "
+        "micro-batches packed to token_budget padded tokens (rlhf_core/training/batching.py).",
+    )
+    token_budget: int = Field(4096, gt=0, description="Padded tokens per micro-batch (batching: token_budget).")
     grad_accum_steps: int = Field(2, ge=1, description="Micro-batches per optimizer step.")
     lr: float = Field(2e-5, gt=0, lt=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decay; never on biases and norm weights.")
@@ -58,10 +67,6 @@ class RewardConfig(TrainingConfig):
         100, ge=1, description="Micro-batches per validation: enough for every rm_val pair, so the best is chosen on all."
     )
     beta_rm: float = Field(1.0, ge=0, description="Weight of the LM loss term; 0 turns it off.")
-    batching: Literal["fixed", "token_budget"] = Field(
-        "fixed", description="fixed: micro_batch_size pairs; token_budget: the paper's dynamic batching."
-    )
-    token_budget: int = Field(4096, gt=0, description="Padded tokens per micro-batch (token_budget).")
     length_debias: LengthDebias = Field(
         "none",
         description="Separate quality from reply length (docs/length-debias.md): none; balanced: "

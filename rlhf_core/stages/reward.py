@@ -87,7 +87,7 @@ from rlhf_core.stages.training_run import (
     stage_settings,
     training_device,
 )
-from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
+from rlhf_core.training.batching import BatchPlan, batch_plan
 from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import TrainResult, total_steps, train
 
@@ -144,15 +144,18 @@ def frozen_layer_cache(model: RewardModel, settings: RewardConfig) -> FrozenLowe
 
 
 def pair_batch_plan(pairs: EncodedPairs, settings: RewardConfig, seed: int, world_size: int = 1) -> BatchPlan:
-    """Fixed-size micro-batches of pairs, or micro-batches packed to `token_budget` padded tokens.
+    """The micro-batches of pairs `settings.batching` names, a pair's length being `padded_pair_length`.
 
     The plan is the global batch: `grad_accum_steps` micro-batches per rank, for `world_size` ranks.
     """
-    accumulation = settings.grad_accum_steps * world_size
-    if settings.batching == "fixed":
-        return fixed_size_plan(len(pairs.pairs), seed, settings.micro_batch_size, accumulation)
-    lengths = [padded_pair_length(pair) for pair in pairs.pairs]
-    return token_budget_plan(lengths, seed, settings.token_budget, accumulation)
+    return batch_plan(
+        settings.batching,
+        [padded_pair_length(pair) for pair in pairs.pairs],
+        seed,
+        micro_batch_size=settings.micro_batch_size,
+        token_budget=settings.token_budget,
+        accumulation_steps=settings.grad_accum_steps * world_size,
+    )
 
 
 def validation_batches(pairs: EncodedPairs, batch_size: int, seed: int, pad_id: int) -> list[PairBatch]:

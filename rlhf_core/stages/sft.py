@@ -59,7 +59,7 @@ from rlhf_core.stages.training_run import (
     stage_settings,
     training_device,
 )
-from rlhf_core.training.batching import fixed_size_plan
+from rlhf_core.training.batching import batch_plan
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import run_evaluation, total_steps, train
@@ -231,11 +231,13 @@ def _train(
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     # The plan is the global batch: grad_accum_steps micro-batches per rank, every rank its shard.
-    plan = fixed_size_plan(
-        len(train_set.encoded),
+    plan = batch_plan(
+        settings.batching,
+        [len(example.input_ids) for example in train_set.encoded],
         config.seed,
-        settings.micro_batch_size,
-        settings.grad_accum_steps * context.world_size,
+        micro_batch_size=settings.micro_batch_size,
+        token_budget=settings.token_budget,
+        accumulation_steps=settings.grad_accum_steps * context.world_size,
     )
     loop = loop_config(settings, config, "warmup_cosine", settings.min_lr_ratio)
     _measure_base_model(model, evaluate, run_state, loop.bf16)
