@@ -9,10 +9,14 @@ gets half, rounded down (at least 1), the main line the rest; a branch alone get
 split are what `torch.get_num_threads()` is when the run starts: the machine's cores, or fewer when
 OMP_NUM_THREADS says so.
 
-A stage's share is decided when it starts training and kept to its end: a process's thread pool cannot be
-resized from outside it. So a reward model that starts while the judge still trains keeps half the cores
-after the judge ends, and a judge that starts after the main line ended (SFT and the reward model cached)
-has them all.
+A stage's share is decided when it starts training; PyTorch's thread count belongs to the thread that sets
+it, so only the training thread itself can change it later:
+- A main-line stage in the flow's process follows its share at every optimizer step (`ThreadsFollowShare`,
+  the logger its loop calls once a step): a reward model that starts while the judge still trains takes
+  every thread at its first step after the judge ended. Measured before this (a default run): the reward
+  model kept one of the two cores for the 32 minutes it trained after the judge ended, the other idle.
+- The stage beside keeps its share to its end (its process's pool is sized at start-up); a judge that
+  starts after the main line ended (SFT and the reward model cached) has every thread.
 - The stage beside always trains in its own process (`tasks/stages.py` `run_launched`), started with
   OMP_NUM_THREADS set to its share (PyTorch's intra-op pool reads it at start-up). Two trainings in one
   process could not be given separate thread counts (PyTorch's count and its kernels' are process-wide) and
@@ -35,6 +39,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+
+from rlhf_core.training.logger import MetricsLogger
 
 THREADS_ENV = "OMP_NUM_THREADS"
 MAIN_LINE = "main line"
@@ -115,6 +121,36 @@ def stage_threads() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class ThreadsFollowShare:
+    """A main-line stage's logger that, at each step the loop logs, first sets the calling (training)
+    thread's PyTorch threads to the branch's share now, then passes everything on to `inner`."""
+
+    def __init__(self, inner: MetricsLogger, share: CoreShare) -> None:
+        self.inner = inner
+        self.share = share
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        threads = self.share.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.inner.log_metrics(metrics, step)
+
+    def log_params(self, params: dict[str, object]) -> None:
+        self.inner.log_params(params)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def following_share(logger: MetricsLogger) -> MetricsLogger:
+    """`logger` for a stage trained in this process: on the main line beside another stage, wrapped so
+    that the stage follows its share (`ThreadsFollowShare`); otherwise as it is."""
+    share = CORE_SHARE.get()
+    if share is None or share.branch != MAIN_LINE:
+        return logger
+    return ThreadsFollowShare(logger, share)
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from rlhf_core.training.logger import MetricsLogger
 from tasks.artifacts import ProgressArtifactLogger, publish_table
 from tasks.caching import stage_cache_key
 from tasks.concurrency import training_slot
+from tasks.core_share import following_share
 from tasks.data_source import DataSource
 from tasks.lineage import stage_lineage_tags
 from tasks.mlflow_runs import TrackingTarget, run_url, stage_run
@@ -80,8 +81,9 @@ class StageRun:
     tracking: TrackingTarget
 
     def progress_logger(self) -> MetricsLogger:
-        """The MLflow logger of this run, also moving the stage's Prefect progress artifact."""
-        return ProgressArtifactLogger(MlflowLogger(self.run_id, self.client), self.stage)
+        """The MLflow logger of this run, also moving the stage's Prefect progress artifact; on the main line
+        beside another stage, the stage's threads follow its share at each step (tasks/core_share.py)."""
+        return following_share(ProgressArtifactLogger(MlflowLogger(self.run_id, self.client), self.stage))
 
     def finish(self, model_dir: Path | None) -> StageOutput:
         """Hash the finished output, log its report files to MLflow, publish the Prefect summary."""
