@@ -72,6 +72,14 @@ def test_out_of_range_names_key_and_bound() -> None:
     assert "ppo.clip_eps: Input should be less than 1 (got 1.5)" in str(err.value)
 
 
+@pytest.mark.parametrize("batching", ["length_grouped", "token_budget"])
+def test_odin_with_length_sorted_batches_is_refused_naming_both_keys(batching: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["reward.length_debias=odin", f"reward.batching={batching}"])
+    assert "reward" in str(err.value) and f"length_debias odin needs batching fixed, not {batching}" in str(err.value)
+    assert load_config(PARAMS, overrides=["reward.length_debias=odin"]).reward.batching == "fixed"
+
+
 def test_bad_choice_lists_the_allowed_values() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(PARAMS, overrides=["model.kind=gpt"])

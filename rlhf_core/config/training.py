@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core.config.base import Section
 from rlhf_core.config.lora import LoraConfig
@@ -83,3 +83,12 @@ class RewardConfig(TrainingConfig):
         description="With trainable_top_layers: compute the frozen lower blocks once per sequence and "
         "reuse them in later epochs and validations (memory: hidden_size floats per token).",
     )
+
+    @model_validator(mode="after")
+    def _odin_needs_mixed_lengths(self) -> RewardConfig:
+        if self.length_debias == "odin" and self.batching != "fixed":
+            raise ValueError(
+                f"length_debias odin needs batching fixed, not {self.batching}: its correlation term is taken "
+                "over a micro-batch, and length-sorted micro-batches hold replies of about one length"
+            )
+        return self

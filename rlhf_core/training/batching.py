@@ -5,7 +5,7 @@ the micro-batches of the 0-based optimizer step `k` for any `k`, with `epoch = k
 fresh seeded order in every epoch. The position in the data stream is therefore just the global step
 number: a resumed run asks for `plan.step(k + 1)` and needs no iterator state.
 
-Two ways to form micro-batches:
+Three ways to form micro-batches:
 
 * fixed size (`fixed_size_plan`): every epoch shuffles the examples with a generator seeded by
   `(seed, epoch)` and cuts the permutation into micro-batches of `micro_batch_size`.
@@ -13,8 +13,8 @@ Two ways to form micro-batches:
   groups of LENGTH_GROUP_MICRO_BATCHES micro-batches, each group sorted by length and cut into
   micro-batches, and the micro-batches shuffled. Micro-batches keep `micro_batch_size` examples and the
   epoch its steps, but a micro-batch's examples have similar lengths, so little of its padded width is
-  padding (transformers' `group_by_length` does the same; 62% of a default SFT run's token passes were
-  padding with fixed-size batches: docs/stage-bounds.md). The examples of the last group's incomplete
+  padding (transformers' `group_by_length` does the same; 38% of a default SFT run's padded token
+  passes were padding with fixed-size batches: docs/stage-bounds.md). The examples of the last group's incomplete
   micro-batch (its longest) are the ones an epoch drops.
 * token budget (`token_budget_plan`, the paper's dynamic batching): examples are sorted by length and
   packed greedily so that `max_len_in_batch * batch_size <= token_budget` (the padded size of the
