@@ -1,9 +1,8 @@
 """The `rlhf ppo` subcommand (registered at the end of rlhf_cli/main.py).
 
 It follows the CLI's conventions: `--config FILE` overlays (repeatable), `-s key.path=value` overrides
-(repeatable), `--params FILE`, `--out DIR` (default `artifacts/ppo/`). The option types are declared
-here rather than imported from main.py, which imports this module to register the command; the stage
-is imported inside the command so `rlhf --help` stays fast.
+(repeatable), `--params FILE`, `--out DIR` (default `artifacts/ppo/`), with the option types of
+rlhf_cli/options.py. The stage is imported inside the command so `rlhf --help` stays fast.
 """
 
 from __future__ import annotations
