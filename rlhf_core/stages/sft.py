@@ -59,7 +59,7 @@ from rlhf_core.stages.training_run import (
     stage_settings,
     training_device,
 )
-from rlhf_core.training.batching import batch_plan
+from rlhf_core.training.batching import BatchPlan, batch_plan
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, NullLogger
 from rlhf_core.training.loop import run_evaluation, total_steps, train
@@ -214,6 +214,20 @@ def _save_model_and_curves(
         plot_sft_curves(read_history(out_dir / HISTORY_FILE), before, out_dir / CURVES_FILE)
 
 
+def _batch_plan(config: Config, train_set: EncodedExamples, world_size: int) -> BatchPlan:
+    """The global batches of the epochs, as `sft.batching` groups them: grad_accum_steps micro-batches per
+    rank, every rank its shard."""
+    settings = config.sft
+    return batch_plan(
+        settings.batching,
+        [len(example.input_ids) for example in train_set.encoded],
+        config.seed,
+        micro_batch_size=settings.micro_batch_size,
+        token_budget=settings.token_budget,
+        accumulation_steps=settings.grad_accum_steps * world_size,
+    )
+
+
 def _train(
     config: Config,
     model: PreTrainedModel,
@@ -230,15 +244,7 @@ def _train(
     _make_trainable(model, config, context)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
-    # The plan is the global batch: grad_accum_steps micro-batches per rank, every rank its shard.
-    plan = batch_plan(
-        settings.batching,
-        [len(example.input_ids) for example in train_set.encoded],
-        config.seed,
-        micro_batch_size=settings.micro_batch_size,
-        token_budget=settings.token_budget,
-        accumulation_steps=settings.grad_accum_steps * context.world_size,
-    )
+    plan = _batch_plan(config, train_set, context.world_size)
     loop = loop_config(settings, config, "warmup_cosine", settings.min_lr_ratio)
     _measure_base_model(model, evaluate, run_state, loop.bf16)
 
