@@ -3,11 +3,10 @@ figures on a tiny shape (hidden 8, MLP 16, 2 blocks, 2 heads of 4 over 1 kv head
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import pytest
-from fixtures.paths import ROOT
+from fixtures.benchmarks import import_benchmark
 
 TINY_CONFIG = {
     "hidden_size": 8,
@@ -27,15 +26,9 @@ SMOLLM2_CONFIG = {
 }
 
 
-def benchmark(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
-    """A module of benchmarks/ (scripts that import their siblings by name)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module(name)
-
-
 @pytest.fixture
 def flops(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return benchmark(monkeypatch, "stage_flops")
+    return import_benchmark(monkeypatch, "stage_flops")
 
 
 def test_shape_counts_matmul_parameters(flops: ModuleType) -> None:
@@ -85,7 +78,7 @@ def test_works_add_up(flops: ModuleType) -> None:
 
 
 def test_validation_schedule_and_decode_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    tokens = benchmark(monkeypatch, "stage_tokens")
+    tokens = import_benchmark(monkeypatch, "stage_tokens")
     assert tokens.validation_batch_counts(93, 50, 8, 42) == [8, 42]  # SFT: step 50 on 8 batches, then all
     assert tokens.validation_batch_counts(53, 50, 100, 95) == [95, 95]
     assert tokens.validation_batch_counts(40, None, 8, 10) == [10]
@@ -94,7 +87,7 @@ def test_validation_schedule_and_decode_length(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_largest_gap_is_in_minutes(monkeypatch: pytest.MonkeyPatch) -> None:
-    bounds = benchmark(monkeypatch, "stage_bounds")
+    bounds = import_benchmark(monkeypatch, "stage_bounds")
     work = bounds.Work(real_tokens=1, padded_tokens=1, flops=1.0)
     rows = [
         bounds.StageBound("fast", work, bound_minutes=1.0, measured_minutes=20.0),  # 20x, 19 min over
