@@ -80,6 +80,17 @@ def test_odin_with_length_sorted_batches_is_refused_naming_both_keys(batching: s
     assert load_config(PARAMS, overrides=["reward.length_debias=odin"]).reward.batching == "fixed"
 
 
+def test_length_controlled_pairs_are_at_most_the_replies_drawn() -> None:
+    assert load_config(PARAMS).evaluation.pairs_per_prompt == 4  # null: every drawn reply
+    one = load_config(PARAMS, overrides=["evaluation.length_matched_samples=1"]).evaluation
+    assert one.pairs_per_prompt == 1
+    assert load_config(PARAMS, overrides=["evaluation.length_controlled_samples=2"]).evaluation.pairs_per_prompt == 2
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=["evaluation.length_controlled_samples=5"])
+    assert "evaluation.length_controlled_samples (5)" in str(err.value)
+    assert "evaluation.length_matched_samples (4)" in str(err.value)
+
+
 def test_bad_choice_lists_the_allowed_values() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(PARAMS, overrides=["model.kind=gpt"])

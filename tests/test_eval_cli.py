@@ -21,6 +21,7 @@ from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
 from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
 from rlhf_core.config import load_config
+from rlhf_core.evaluation.length_control import length_controlled_win_rate
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
@@ -90,7 +91,8 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}
     assert files == {
         "generations.jsonl", "verdicts.jsonl", "generations_matched.jsonl", "verdicts_matched.jsonl",
-        "report.json", "report.md", "plots/win_rate.png", "metrics.json",
+        "generations_samples.jsonl", "verdicts_samples.jsonl", "report.json", "report.md", "plots/win_rate.png",
+        "metrics.json",
     }
     generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     verdicts = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
@@ -113,8 +115,20 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     assert metrics["win_minus_loss"] == pytest.approx((wins - losses) / 6)
     assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
     assert metrics["perplexity_a"] > 1 and metrics["perplexity_b"] > 1
-    # the length-controlled headline: tiny.yaml draws 2 replies per prompt and model for the matched pairs
+    # the length-controlled headline: tiny.yaml draws 2 replies per prompt and model, so it is fitted on the
+    # main pair and the second replies' pair of each prompt, resampled by prompt
     assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    samples = [json.loads(line) for line in (out / "generations_samples.jsonl").read_text().splitlines()]
+    sample_verdicts = [json.loads(line) for line in (out / "verdicts_samples.jsonl").read_text().splitlines()]
+    assert [(row["prompt_id"], row["sample"]) for row in samples] == [(g["prompt_id"], 1) for g in generations]
+    assert [v["pair_key"] for v in sample_verdicts] != [v["pair_key"] for v in verdicts]
+    assert (metrics["lc_pairs"], metrics["lc_prompts"]) == (12, 6)
+    pairs = verdicts + sample_verdicts
+    preferences = [{"A": 1.0, "tie": 0.5, "B": 0.0}[v["verdict"]] for v in pairs]
+    expected = length_controlled_win_rate(
+        preferences, [v["tokens_a"] - v["tokens_b"] for v in pairs], groups=[v["prompt_id"] for v in pairs]
+    )
+    assert metrics["lc_win_rate"] == pytest.approx(expected.rate)
     mean_a, mean_b = (sum(g[f"tokens_{x}"] for g in generations) / 6 for x in "ab")
     assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
     assert metrics["alignment_tax_relative"] == pytest.approx(metrics["perplexity_a"] / metrics["perplexity_b"] - 1)

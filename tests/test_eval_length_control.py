@@ -81,6 +81,51 @@ def test_the_bootstrap_matches_refitting_each_resample() -> None:
     )
 
 
+def test_pairs_grouped_by_prompt_are_resampled_with_their_prompt() -> None:
+    rng = np.random.default_rng(5)
+    prompts, per_prompt = 30, 3
+    differences = rng.normal(0, 20, prompts * per_prompt).round()
+    preferences = rng.choice([0.0, 0.5, 1.0], size=prompts * per_prompt)
+    groups = [f"p{index // per_prompt}" for index in range(prompts * per_prompt)]
+    result = length_controlled_win_rate(preferences, differences, confidence=0.9, resamples=200, seed=3, groups=groups)
+    draws = np.random.default_rng(3).integers(0, prompts, size=(200, prompts))
+    rows = [np.concatenate([np.arange(p * per_prompt, (p + 1) * per_prompt) for p in draw]) for draw in draws]
+    rates = sorted(length_controlled_win_rate(preferences[row], differences[row], resamples=1).rate for row in rows)
+    assert (result.low, result.high) == pytest.approx(tuple(np.quantile(rates, [0.05, 0.95])), abs=1e-7)
+    assert (result.pairs, result.prompts) == (90, 30)
+    alone = length_controlled_win_rate(preferences, differences, resamples=200, seed=3)
+    assert alone == length_controlled_win_rate(preferences, differences, resamples=200, seed=3, groups=range(90))
+
+
+def test_copies_of_a_pair_do_not_narrow_the_interval() -> None:
+    """Four copies of every prompt's one pair hold no more evidence; counted as independent they would."""
+    tokens_a, tokens_b = synthetic_pairs(seed=6, count=120)
+    preferences = np.random.default_rng(6).choice([0.0, 1.0], size=120, p=[0.4, 0.6])
+    once = length_controlled_win_rate(preferences, tokens_a - tokens_b, resamples=1000, seed=0)
+    copies = (np.repeat(preferences, 4), np.repeat(tokens_a - tokens_b, 4))
+    grouped = length_controlled_win_rate(*copies, resamples=1000, seed=0, groups=np.repeat(np.arange(120), 4))
+    independent = length_controlled_win_rate(*copies, resamples=1000, seed=0)
+    assert grouped.rate == pytest.approx(once.rate, abs=1e-3)
+    assert grouped.high - grouped.low == pytest.approx(once.high - once.low, rel=0.1)
+    assert independent.high - independent.low < 0.7 * (once.high - once.low)
+
+
+def test_more_sampled_pairs_per_prompt_narrow_the_interval_around_the_same_rate() -> None:
+    """A quality judge with a per-prompt effect and per-reply noise: four pairs per prompt average the
+    replies' noise away, one pair per prompt keeps it."""
+    rng = np.random.default_rng(8)
+    prompts, per_prompt = 150, 4
+    prompt_effect = np.repeat(rng.normal(0.3, 0.5, prompts), per_prompt)
+    preferences = (prompt_effect + rng.normal(0, 1.5, prompts * per_prompt) > 0).astype(float)
+    differences = rng.normal(0, 25, prompts * per_prompt).round()
+    groups = np.repeat(np.arange(prompts), per_prompt)
+    first = np.arange(0, prompts * per_prompt, per_prompt)
+    one = length_controlled_win_rate(preferences[first], differences[first], resamples=1000, seed=0)
+    four = length_controlled_win_rate(preferences, differences, resamples=1000, seed=0, groups=groups)
+    assert four.high - four.low < 0.75 * (one.high - one.low)
+    assert four.low < preferences.mean() < four.high and four.low > 0.5
+
+
 @pytest.mark.parametrize("judge_prefers", ["longer", "shorter"])
 @pytest.mark.parametrize("noise_seed", [12, 13, 14])
 def test_a_pure_length_judge_gives_an_even_length_controlled_rate(judge_prefers: str, noise_seed: int) -> None:
@@ -136,3 +181,5 @@ def test_bad_inputs_are_refused() -> None:
         length_controlled_win_rate([2.0], [3])
     with pytest.raises(ValueError, match="resamples"):
         length_controlled_win_rate([1.0], [3], resamples=0)
+    with pytest.raises(ValueError, match="2 groups for 3"):
+        length_controlled_win_rate([1.0, 0.0, 1.0], [3, 1, 2], groups=["a", "b"])

@@ -322,10 +322,12 @@ def test_stage_with_llm_judge_never_writes_or_logs_the_key(
 
     keys = {
         json.loads(line)["pair_key"]
-        for name in ("verdicts.jsonl", "verdicts_matched.jsonl")
+        for name in ("verdicts.jsonl", "verdicts_matched.jsonl", "verdicts_samples.jsonl")
         for line in (out / name).read_text().splitlines()
     }
-    assert state.requests == 2 * len(keys)  # 3 prompts and the length-matched pairs, both orders, no retries
+    # 3 prompts' main pairs, their second replies' pairs (tiny.yaml draws 2 per model) and the length-matched
+    # pairs, each distinct pair in both orders, no retries
+    assert len(keys) >= 6 and state.requests == 2 * len(keys)
     report = json.loads((out / "report.json").read_text())
     assert report["judge"]["kind"] == "llm" and "judge-model" in report["judge"]["description"]
     assert report["judge"]["figures"]["prompt_tokens"] == 2 * len(keys) * PROMPT_TOKENS

@@ -31,6 +31,13 @@ class EvaluationConfig(Section):
         description="Replies per prompt and model the length-matched pairs are drawn from, the main reply "
         "included (docs/evaluation.md); each one above 1 adds the main replies' generation time again.",
     )
+    length_controlled_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Pairs per prompt the length-controlled win rate is fitted on: A's i-th reply against B's "
+        "i-th, for i below this, bootstrapped over prompts (docs/evaluation.md); null: every reply drawn "
+        "(length_matched_samples); 1: the main pair alone, as AlpacaEval. Each pair above 1 is judged too.",
+    )
     tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
     judge_rm: Literal["in_sample", "independent"] = Field(
         "independent",
@@ -47,6 +54,17 @@ class EvaluationConfig(Section):
     llm_max_retries: int = Field(3, ge=0, description="LLM judge: retries of a failed request.")
 
     @model_validator(mode="after")
+    def _length_controlled_pairs_come_from_the_drawn_replies(self) -> EvaluationConfig:
+        wanted = self.length_controlled_samples
+        if wanted is not None and wanted > self.length_matched_samples:
+            raise ValueError(
+                f"evaluation.length_controlled_samples ({self.length_controlled_samples}) pairs the replies drawn "
+                f"per prompt and model, evaluation.length_matched_samples ({self.length_matched_samples}): "
+                "set it to at most that, or raise evaluation.length_matched_samples"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _judge_base_model_needs_an_independent_judge(self) -> EvaluationConfig:
         if self.judge_base_model is not None and self.judge_rm == "in_sample":
             raise ValueError(
@@ -54,6 +72,12 @@ class EvaluationConfig(Section):
                 "reward model; set evaluation.judge_rm: independent or evaluation.judge_base_model: null"
             )
         return self
+
+    @property
+    def pairs_per_prompt(self) -> int:
+        """The pairs per prompt the length-controlled win rate is fitted on (`length_controlled_samples`)."""
+        wanted = self.length_controlled_samples
+        return self.length_matched_samples if wanted is None else wanted
 
     @property
     def trains_judge_rm(self) -> bool:

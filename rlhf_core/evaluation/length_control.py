@@ -23,8 +23,12 @@ Differences from alpaca_eval (src/alpaca_eval/metrics/glm_winrate.py), for one p
   finite when A wins (or loses) every pair; on a few hundred pairs it moves the estimate far less than
   its interval.
 
-The interval is a percentile bootstrap over prompts (one pair per prompt): each resample draws the
-pairs with replacement and refits the whole model, sd included. All resamples are fitted at once by
+The interval is a percentile bootstrap over prompts: each resample draws the prompts with replacement,
+each with all its pairs, and refits the whole model, sd included. A prompt may hold several pairs: the
+evaluation fits the model on `evaluation.length_controlled_samples` pairs per prompt (A's i-th sampled
+reply against B's i-th), which lowers the noise of sampling the replies while the interval still counts
+the prompts, not the pairs, as the independent draws. With one pair per prompt this is alpaca_eval's
+estimate; more pairs per prompt estimate the same rate with a narrower interval. All resamples are fitted at once by
 a vectorised damped Newton method (two parameters, so the 2 x 2 Hessian is inverted in closed form).
 
 Degenerate inputs give finite figures, never NaN: all ties give exactly 0.5 (0.5 to 0.5); all wins
@@ -35,10 +39,11 @@ the plain preference rate. See docs/evaluation.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 REGULARISATION = 0.01  # L2 penalty on (theta, phi), against the summed log loss (alpaca_eval's 1/C with C = 100)
 RESAMPLE_CHUNK = 1000  # resamples fitted together: bounds memory at a few [chunk, pairs] arrays
@@ -54,9 +59,18 @@ class LengthControlledWinRate(BaseModel):
     low: float
     high: float
     pairs: int  # valid verdicts fitted
+    prompts: int  # the prompts they belong to: what the bootstrap resamples
     theta: float  # the logit of the preference for A at equal length
     phi: float  # the weight of tanh(dlen / sd): positive, the judge prefers the longer reply
     length_scale: float  # sd(dlen) in tokens (0: every pair had the same length difference)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_pair_per_prompt_before_prompts_were_counted(cls, data: Any) -> Any:
+        """A report.json written before pairs were grouped by prompt fitted one pair per prompt."""
+        if isinstance(data, dict) and "prompts" not in data and "pairs" in data:
+            return {**data, "prompts": data["pairs"]}
+        return data
 
 
 def length_scales(differences: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -139,6 +153,25 @@ def _check_inputs(preferences: np.ndarray, differences: np.ndarray) -> None:
         raise ValueError("length differences must be finite")
 
 
+def group_indices(groups: Sequence[Hashable] | None, size: int) -> tuple[np.ndarray, int]:
+    """Each pair's group as 0..G-1 in order of first appearance [size], and G; None: every pair alone."""
+    if groups is None:
+        return np.arange(size), size
+    if len(groups) != size:
+        raise ValueError(f"{len(groups)} groups for {size} preferences")
+    first_seen: dict[Hashable, int] = {}
+    indices = np.array([first_seen.setdefault(group, len(first_seen)) for group in groups])
+    return indices, len(first_seen)
+
+
+def resample_counts(rng: np.random.Generator, group_of_pair: np.ndarray, groups: int, chunk: int) -> np.ndarray:
+    """[chunk, pairs]: how often each pair is drawn in each of `chunk` resamples that draw `groups` groups
+    with replacement, every pair of a drawn group with it."""
+    drawn = rng.integers(0, groups, size=(chunk, groups))
+    counts = np.bincount((drawn + groups * np.arange(chunk)[:, None]).ravel(), minlength=chunk * groups)
+    return counts.reshape(chunk, groups)[:, group_of_pair].astype(np.float64)
+
+
 def length_controlled_win_rate(
     preferences: Sequence[float] | np.ndarray,
     length_differences: Sequence[float] | np.ndarray,
@@ -146,14 +179,15 @@ def length_controlled_win_rate(
     resamples: int = 2000,
     seed: int = 0,
     regularisation: float = REGULARISATION,
+    groups: Sequence[Hashable] | None = None,
 ) -> LengthControlledWinRate:
     """The length-controlled win rate of valid verdicts (see the module docstring).
 
-    `preferences` [N]: 1 (A won), 0.5 (tie), 0 (B won), one per prompt; `length_differences` [N]:
-    tokens_A - tokens_B of the same pairs. Resample r draws row r of
-    `rng.integers(0, N, size=(chunk, N))` over consecutive chunks of `RESAMPLE_CHUNK` resamples
-    (rng = numpy's default generator seeded with `seed`); the interval is the (1 - confidence) / 2 and
-    (1 + confidence) / 2 quantiles of the resamples' sigmoid(theta).
+    `preferences` [N]: 1 (A won), 0.5 (tie), 0 (B won); `length_differences` [N]: tokens_A - tokens_B of
+    the same pairs; `groups` [N]: the prompt of each pair (None: one pair per prompt). With G prompts,
+    resample r draws row r of `rng.integers(0, G, size=(chunk, G))` over consecutive chunks of
+    `RESAMPLE_CHUNK` resamples (rng = numpy's default generator seeded with `seed`); the interval is the
+    (1 - confidence) / 2 and (1 + confidence) / 2 quantiles of the resamples' sigmoid(theta).
     """
     targets = np.asarray(preferences, dtype=np.float64)
     differences = np.asarray(length_differences, dtype=np.float64)
@@ -163,6 +197,7 @@ def length_controlled_win_rate(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     size = targets.size
+    group_of_pair, prompts = group_indices(groups, size)
     whole = np.ones((1, size))
     scale = length_scales(differences, whole)
     theta, phi = fit_length_model(length_features(differences, scale), targets, whole, regularisation)[0]
@@ -170,9 +205,7 @@ def length_controlled_win_rate(
     rates = []
     for start in range(0, resamples, RESAMPLE_CHUNK):
         chunk = min(RESAMPLE_CHUNK, resamples - start)
-        drawn = rng.integers(0, size, size=(chunk, size))
-        counts = np.bincount((drawn + size * np.arange(chunk)[:, None]).ravel(), minlength=chunk * size)
-        counts = counts.reshape(chunk, size).astype(np.float64)
+        counts = resample_counts(rng, group_of_pair, prompts, chunk)
         features = length_features(differences, length_scales(differences, counts))
         rates.append(_sigmoid(fit_length_model(features, targets, counts, regularisation)[:, 0]))
     tail = (1 - confidence) / 2
@@ -182,6 +215,7 @@ def length_controlled_win_rate(
         low=float(low),
         high=float(high),
         pairs=size,
+        prompts=prompts,
         theta=float(theta),
         phi=float(phi),
         length_scale=float(scale[0]),

@@ -11,6 +11,9 @@ verdicts.jsonl, one line per pair, in the same order:
 generations_matched.jsonl / verdicts_matched.jsonl: the same lines for the length-matched pairs (one per
     prompt that has one), generations with `sample_a` and `sample_b` added: which of each model's replies
     to the prompt (0: the main reply of generations.jsonl)
+generations_samples.jsonl / verdicts_samples.jsonl: the same lines for the further same-index pairs the
+    length-controlled win rate is fitted on (A's i-th reply against B's i-th, i >= 1; the main pair is
+    i = 0), generations with `sample` added: i
 
 Any later judge (the human-evaluation flow) reads the pairs back with `read_generations`, so every
 judge sees the same pairs; `read_verdicts` gives another judge's verdicts by pair key, for agreement.
@@ -36,6 +39,8 @@ GENERATIONS_FILE = "generations.jsonl"
 VERDICTS_FILE = "verdicts.jsonl"
 MATCHED_GENERATIONS_FILE = "generations_matched.jsonl"
 MATCHED_VERDICTS_FILE = "verdicts_matched.jsonl"
+SAMPLE_GENERATIONS_FILE = "generations_samples.jsonl"
+SAMPLE_VERDICTS_FILE = "verdicts_samples.jsonl"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,24 @@ def matched_generation_rows(matched: Sequence[MatchedPair]) -> list[dict[str, An
         [pair.prompt for pair in matched], [pair.reply_a for pair in matched], [pair.reply_b for pair in matched]
     )
     return [{**row, "sample_a": pair.sample_a, "sample_b": pair.sample_b} for row, pair in zip(rows, matched)]
+
+
+def sample_generation_rows(
+    prompts: Sequence[EvalPrompt],
+    samples_a: Sequence[Sequence[Reply]],
+    samples_b: Sequence[Sequence[Reply]],
+    pairs_per_prompt: int,
+) -> list[dict[str, Any]]:
+    """The lines of generations_samples.jsonl: for each prompt, A's i-th reply against B's i-th for
+    i = 1 .. pairs_per_prompt - 1 (samples_x[p]: model x's replies to prompt p, the main one first)."""
+    rows = []
+    for prompt, replies_a, replies_b in zip(prompts, samples_a, samples_b):
+        if min(len(replies_a), len(replies_b)) < pairs_per_prompt:
+            raise ValueError(f"prompt {prompt.prompt_id}: fewer than {pairs_per_prompt} replies of each model")
+        for sample in range(1, pairs_per_prompt):
+            (row,) = generation_rows([prompt], [replies_a[sample]], [replies_b[sample]])
+            rows.append({**row, "sample": sample})
+    return rows
 
 
 def read_generations(path: Path) -> list[GeneratedPair]:

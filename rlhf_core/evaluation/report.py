@@ -181,6 +181,7 @@ class EvaluationReport(BaseModel):
             figures["lc_win_rate_low"] = self.length_controlled.low
             figures["lc_win_rate_high"] = self.length_controlled.high
             figures["lc_pairs"] = float(self.length_controlled.pairs)
+            figures["lc_prompts"] = float(self.length_controlled.prompts)
             figures["lc_length_coefficient"] = self.length_controlled.phi
         if self.length.length_ratio is not None:
             figures["length_ratio"] = self.length.length_ratio
@@ -284,19 +285,25 @@ def summarise_score_differences(
 
 
 def summarise_length_control(
-    pairs: Sequence[JudgedPair], seed: int, resamples: int = DEFAULT_RESAMPLES
+    pairs_by_prompt: Sequence[Sequence[JudgedPair]], seed: int, resamples: int = DEFAULT_RESAMPLES
 ) -> LengthControlledWinRate | None:
-    """The length-controlled win rate over the pairs with a valid verdict (A win 1, tie 0.5, B win 0);
-    None when there is none."""
-    valid = [pair for pair in pairs if pair.verdict is not Verdict.INVALID]
+    """The length-controlled win rate over the pairs with a valid verdict (A win 1, tie 0.5, B win 0),
+    bootstrapped over the prompts (`pairs_by_prompt[p]`: prompt p's judged pairs); None when there is none."""
+    valid = [
+        (prompt, pair)
+        for prompt, pairs in enumerate(pairs_by_prompt)
+        for pair in pairs
+        if pair.verdict is not Verdict.INVALID
+    ]
     if not valid:
         return None
     return length_controlled_win_rate(
-        [(pair.verdict.outcome + 1) / 2 for pair in valid],
-        [pair.tokens_a - pair.tokens_b for pair in valid],
+        [(pair.verdict.outcome + 1) / 2 for _, pair in valid],
+        [pair.tokens_a - pair.tokens_b for _, pair in valid],
         CONFIDENCE,
         resamples,
         seed,
+        groups=[prompt for prompt, _ in valid],
     )
 
 
@@ -395,10 +402,12 @@ def build_report(
     resamples: int = DEFAULT_RESAMPLES,
     length_matched: Sequence[JudgedPair] | None = None,
     samples_per_model: int = 1,
+    length_control_pairs: Sequence[Sequence[JudgedPair]] | None = None,
 ) -> EvaluationReport:
     """The report of judged `pairs` (one per prompt, the main replies); `other_judges` maps a judge's name
     to its verdicts by pair key; `length_matched`: the judged length-matched pairs, drawn from
-    `samples_per_model` replies per prompt and model (None: none were drawn)."""
+    `samples_per_model` replies per prompt and model (None: none were drawn); `length_control_pairs`:
+    per prompt, the judged pairs the length-controlled win rate is fitted on (None: its main pair alone)."""
     if not pairs:
         raise ValueError("build_report: no judged pairs")
     verdicts = [pair.verdict for pair in pairs]
@@ -424,7 +433,9 @@ def build_report(
         ],
         alignment_tax=None if alignment_tax is None else summarise_alignment_tax(alignment_tax),
         score_diff=summarise_score_differences(pairs, seed, resamples),
-        length_controlled=summarise_length_control(pairs, seed, resamples),
+        length_controlled=summarise_length_control(
+            [[pair] for pair in pairs] if length_control_pairs is None else length_control_pairs, seed, resamples
+        ),
         length_matched=(
             None
             if length_matched is None

@@ -51,7 +51,8 @@ def _length_controlled_line(report: EvaluationReport) -> str:
     pays = "longer" if result.phi > 0 else "shorter"
     return (
         f"- **Length-controlled win rate of A: {result.rate:.1%} (95% bootstrap interval {result.low:.1%} to "
-        f"{result.high:.1%})** over {result.pairs} pairs: the judge's preference for A predicted at equal "
+        f"{result.high:.1%})** over {result.pairs} pairs of {result.prompts} prompts (the interval resamples "
+        f"the prompts): the judge's preference for A predicted at equal "
         f"reply length (AlpacaEval 2.0's model; 50%: no preference beyond length). The judge's length "
         f"term is {result.phi:+.2f} logits per unit of tanh(dlen / {result.length_scale:.1f} tokens): it "
         f"favours the {pays} reply."

@@ -15,6 +15,9 @@ Outputs in `out_dir`:
                          the same for the length-matched pairs: per prompt, the closest-length pair of
                          `evaluation.length_matched_samples` replies per model, chosen before judging
                          (length_matching.py); the report leads with them and the length-controlled win rate
+    generations_samples.jsonl, verdicts_samples.jsonl
+                         the same for the further pairs the length-controlled win rate is fitted on: A's
+                         i-th reply against B's i-th, i = 1 .. `evaluation.length_controlled_samples` - 1
     report.json          the EvaluationReport (report.py)
     report.md            the same for people
     plots/win_rate.png   the paper's Figure 10-style win/tie/lose chart
@@ -53,11 +56,14 @@ from rlhf_core.evaluation.outputs import (
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
     MATCHED_VERDICTS_FILE,
+    SAMPLE_GENERATIONS_FILE,
+    SAMPLE_VERDICTS_FILE,
     VERDICTS_FILE,
     GeneratedPair,
     generation_rows,
     matched_generation_rows,
     read_generations,
+    sample_generation_rows,
     read_verdicts,
     verdict_rows,
     write_jsonl,
@@ -246,18 +252,27 @@ def check_inputs(
 
 @dataclass(frozen=True)
 class GeneratedPairs:
-    """What the judge is asked about: the main pair of each prompt and the length-matched pairs."""
+    """What the judge is asked about: the main pair of each prompt, the length-matched pairs and the further
+    same-index pairs of the length-controlled win rate."""
 
     main: list[GeneratedPair]
     matched: list[GeneratedPair]
+    samples: list[GeneratedPair]
+
+    def by_prompt(self, judged: Sequence[JudgedPair], samples: Sequence[JudgedPair]) -> list[list[JudgedPair]]:
+        """Per prompt (in the main pairs' order), its judged main pair and then its judged sample pairs."""
+        groups = {item.pair.prompt_id: [pair] for item, pair in zip(self.main, judged)}
+        for item, pair in zip(self.samples, samples):
+            groups[item.pair.prompt_id].append(pair)
+        return list(groups.values())
 
 
 def generate_pairs(
     config: Config, checked: CheckedInputs, out_dir: Path, device: torch.device, logger: MetricsLogger
 ) -> tuple[GeneratedPairs, AlignmentTax]:
-    """Both models' replies, stored in generations.jsonl and generations_matched.jsonl and read back (the
-    judge sees exactly what was stored), and the alignment tax: each model's perplexity on the held-out
-    reference replies."""
+    """Both models' replies, stored in generations.jsonl, generations_matched.jsonl and
+    generations_samples.jsonl and read back (the judge sees exactly what was stored), and the alignment
+    tax: each model's perplexity on the held-out reference replies."""
     replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A")
     logger.log_metrics({"progress": 0.3}, step=1)
     replies_b = model_replies(config, checked.dir_b, checked.prompts, device, "model B")
@@ -265,10 +280,14 @@ def generate_pairs(
     write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(checked.prompts, replies_a.main, replies_b.main))
     matched = length_matched_pairs(checked.prompts, replies_a.samples(), replies_b.samples())
     write_jsonl(out_dir / MATCHED_GENERATIONS_FILE, matched_generation_rows(matched))
+    pairs_per_prompt = config.evaluation.pairs_per_prompt
+    sample_rows = sample_generation_rows(checked.prompts, replies_a.samples(), replies_b.samples(), pairs_per_prompt)
+    write_jsonl(out_dir / SAMPLE_GENERATIONS_FILE, sample_rows)
     tax = AlignmentTax(replies_a.measured, perplexity_a=replies_a.perplexity, perplexity_b=replies_b.perplexity)
     pairs = GeneratedPairs(
         main=read_generations(out_dir / GENERATIONS_FILE),
         matched=read_generations(out_dir / MATCHED_GENERATIONS_FILE),
+        samples=read_generations(out_dir / SAMPLE_GENERATIONS_FILE),
     )
     return pairs, tax
 
@@ -289,22 +308,29 @@ def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgem
     ]
 
 
-def judge_pairs(
-    judge: Judge, generated: GeneratedPairs, out_dir: Path
-) -> tuple[list[Judgement], list[Judgement]]:
-    """The verdicts on the main and on the length-matched pairs, written to verdicts.jsonl and
-    verdicts_matched.jsonl. One call, and a length-matched pair that is a prompt's main pair is judged
-    once, so no reply is scored (and no LLM request sent) twice."""
-    main_keys = {item.pair.pair_key for item in generated.main}
-    asked = generated.main + [item for item in generated.matched if item.pair.pair_key not in main_keys]
-    judgements = judge.judge([item.pair for item in asked])
-    by_key = {item.pair.pair_key: judgement for item, judgement in zip(asked, judgements)}
-    main = judgements[: len(generated.main)]
-    matched = [by_key[item.pair.pair_key] for item in generated.matched]
+@dataclass(frozen=True)
+class Judgements:
+    """The judge's verdicts on each kind of pair of `GeneratedPairs`, in the same order."""
+
+    main: list[Judgement]
+    matched: list[Judgement]
+    samples: list[Judgement]
+
+
+def judge_pairs(judge: Judge, generated: GeneratedPairs, out_dir: Path) -> Judgements:
+    """The verdicts on the main, the length-matched and the sample pairs, written to verdicts.jsonl,
+    verdicts_matched.jsonl and verdicts_samples.jsonl. One call, and a pair that is both (a length-matched
+    pair that is a prompt's main or sample pair) is judged once, so no reply is scored (and no LLM request
+    sent) twice."""
+    kinds = (generated.main, generated.matched, generated.samples)
+    asked = list({item.pair.pair_key: item.pair for pairs in kinds for item in pairs}.values())
+    by_key = dict(zip([pair.pair_key for pair in asked], judge.judge(asked)))
+    judgements = Judgements(*([by_key[item.pair.pair_key] for item in pairs] for pairs in kinds))
     name = judge.info().name
-    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, main, name))
-    write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, matched, name))
-    return main, matched
+    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, judgements.main, name))
+    write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, judgements.matched, name))
+    write_jsonl(out_dir / SAMPLE_VERDICTS_FILE, verdict_rows(generated.samples, judgements.samples, name))
+    return judgements
 
 
 def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None:
@@ -364,19 +390,21 @@ def run_evaluate(
         generated, tax = generate_pairs(config, checked, out_dir, device, logger)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
-        judgements, matched_judgements = judge_pairs(judge_impl, generated, out_dir)
+        judgements = judge_pairs(judge_impl, generated, out_dir)
         info = judge_impl.info()
         logger.log_metrics({"progress": 0.9}, step=3)
+        main = judged_pairs(generated.main, judgements.main)
         report = build_report(
-            judged_pairs(generated.main, judgements),
+            main,
             info,
             *(names or (str(model_a), str(model_b))),
             config.evaluation.generation,
             config.seed,
             alignment_tax=tax,
             other_judges=checked.others,
-            length_matched=judged_pairs(generated.matched, matched_judgements),
+            length_matched=judged_pairs(generated.matched, judgements.matched),
             samples_per_model=config.evaluation.length_matched_samples,
+            length_control_pairs=generated.by_prompt(main, judged_pairs(generated.samples, judgements.samples)),
         )
         write_report(report, Path(model_a), out_dir)
         metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
