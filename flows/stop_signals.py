@@ -30,7 +30,11 @@ SignalHandler = Callable[[int, FrameType | None], Any]
 def with_deadline(previous: SignalHandler | int | None, grace_s: float, overrun: Callable[[int], Any]) -> SignalHandler:
     """A handler that starts the deadline, then does what `previous` did; a second signal does not
     restart it. `overrun(signal_number)` runs `grace_s` after the first signal, on a timer thread,
-    unless the process has exited by then: it must end the process."""
+    unless the process has exited by then: it must end the process.
+
+    Where `previous` is no Python handler, SIGINT raises KeyboardInterrupt, as Python's own handler does:
+    a process started with SIGINT ignored (a shell's background job) has no handler of Python's, and
+    leaving by SystemExit would skip the commands' clean-shutdown path."""
     deadline_started = threading.Event()
 
     def handle(signal_number: int, frame: FrameType | None) -> None:
@@ -41,6 +45,8 @@ def with_deadline(previous: SignalHandler | int | None, grace_s: float, overrun:
             timer.start()
         if callable(previous):
             previous(signal_number, frame)
+        elif signal_number == signal.SIGINT:
+            raise KeyboardInterrupt
         else:
             sys.exit(128 + signal_number)
 

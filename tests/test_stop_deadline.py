@@ -1,5 +1,6 @@
 """The stop deadline of the in-process commands (`rlhf run`, `rlhf ablate`, `rlhf promote`) holds while a task
-trains in a thread of the flow (flows/stop_signals.py `deadline_after_stop_signal`, rlhf_cli/in_process.py).
+trains in a thread of the flow (flows/stop_signals.py `deadline_after_stop_signal`, rlhf_cli/in_process.py);
+`rlhf serve`'s handler (`with_deadline`) keeps SIGINT a KeyboardInterrupt when no Python handler was there.
 
 During a flow run Prefect's engine takes SIGTERM with a handler of its own and calls the command's only after
 the flow's task threads have ended: an ablation signalled while a variant's PPO trained in one went on for
@@ -12,12 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from fixtures.paths import ROOT
 
+from flows.stop_signals import with_deadline
 from rlhf_cli.in_process import TEMPORARY_SERVER_SETTINGS
 
 STOP_DEADLINE_S = 10  # what issue 30 asks
@@ -58,6 +61,21 @@ with deadline_after_stop_signal(0.2, overrun):
     time.sleep(30)
 print("no deadline", flush=True)
 """
+
+
+@pytest.mark.parametrize(
+    ("signal_number", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
+)
+def test_without_a_python_handler_sigint_interrupts_and_sigterm_exits(signal_number: int, raised: type) -> None:
+    """A process started with SIGINT ignored (a shell's background job: `rlhf serve &`) has no Python handler
+    to wrap; its SIGINT must still be the KeyboardInterrupt `rlhf serve` shuts down cleanly on (it used to
+    leave by SystemExit(130) after the same shutdown), and the deadline must still start."""
+    overran = threading.Event()
+    handler = with_deadline(signal.SIG_IGN, 0.01, lambda number: overran.set())
+    with pytest.raises(raised) as stop:
+        handler(signal_number, None)
+    assert raised is KeyboardInterrupt or stop.value.code == 128 + signal_number
+    assert overran.wait(timeout=30)
 
 
 def python(script: str, tmp_path: Path) -> subprocess.Popen:
