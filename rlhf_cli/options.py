@@ -2,6 +2,12 @@
 
 `--config FILE` (repeatable overlay on params.yaml), `-s key.path=value` (repeatable override),
 `--params FILE` and `--out DIR`; plus the stage-input directories the training commands take.
+
+Each option is defined once, here, as an annotated type. Typer reads a command's options from its
+signature, so every command still lists the ones it takes (`config: ConfigOption = None, ...`): those
+parameter lists are alike across the stage commands by design and are the only lines they share; what
+the commands do with them is one preamble (`launching.start_training_command`, with which
+`run_training_command` starts).
 """
 
 from __future__ import annotations
