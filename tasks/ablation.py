@@ -16,7 +16,9 @@
   workers take.
 - the evaluation of every variant against the SFT start is the pipeline's `evaluate_task` (cached on
   content), started as soon as the variant's PPO is done, with one judge for all variants (chosen by
-  flows/ablation.py: the independent judge reward model unless `evaluation` says otherwise).
+  flows/ablation.py: the independent judge reward model unless `evaluation` says otherwise); a variant
+  whose PPO handed on its start (its policy is the SFT model by content) is not evaluated, and the
+  comparison says why (`not_evaluated_task`, tasks/identical_evaluation.py).
 - `comparison_task`: the comparison (rlhf_core.ablation.report) written into `<ablation run>/comparison/`,
   logged on the parent run as artifacts (`comparison/`) and per-variant metrics, and published as the
   Prefect artifacts `ablation-summary` (markdown) and `ablation-comparison` (table).
@@ -42,6 +44,7 @@ from rlhf_core.layout import STAGE_DIRS, stage_output_dir
 from tasks.ablation_base import AblationBase
 from tasks.caching import StageCachePolicy, with_cache_dir
 from tasks.evaluation import JudgeSpec, evaluate_task
+from tasks.identical_evaluation import is_not_evaluated, models_identical, not_evaluated_record, write_not_evaluated
 from tasks.mlflow_runs import TrackingTarget
 from tasks.outputs import StageOutput
 from tasks.remote import (
@@ -167,10 +170,20 @@ def submit_variant(
     return local_task.submit(variant.name, variant.config, base.data, base.sft, base.reward, context)
 
 
+@task(name="not-evaluated", cache_policy=NO_CACHE)
+def not_evaluated_task(policy: StageOutput, sft: StageOutput, context: StageContext) -> StageOutput:
+    """The evaluate output of a variant whose policy is the SFT model by content (PPO handed on its start):
+    the reason, nothing generated or judged (tasks/identical_evaluation.py)."""
+    return write_not_evaluated(policy, sft, stage_output_dir(context.run_dir, "evaluate"))
+
+
 def submit_evaluation(
     variant: ResolvedVariant, base: AblationBase, judge: JudgeSpec, policy: StageOutput, context: StageContext
 ) -> PrefectFuture[StageOutput]:
-    """Start the evaluation of a variant's policy (A) against the base's SFT model (B)."""
+    """Start the evaluation of a variant's policy (A) against the base's SFT model (B); a policy identical to
+    the SFT model is not evaluated (every pair would be a tie)."""
+    if models_identical(policy, base.sft):
+        return not_evaluated_task.with_options(task_run_name=f"not-evaluated[{variant.name}]").submit(policy, base.sft, context)
     evaluation = with_cache_dir(evaluate_task, context.cache_dir).with_options(task_run_name=f"evaluate[{variant.name}]")
     return evaluation.submit(variant.config, base.data, policy, base.sft, judge, context, names=(f"{variant.name} (PPO)", "SFT model"))
 
@@ -229,6 +242,18 @@ def outcome(
     )
 
 
+def evaluated(output: StageOutput | None) -> bool:
+    """Whether a variant's evaluate output is an evaluation (not missing, not `not_evaluated_task`'s)."""
+    return output is not None and not is_not_evaluated(output)
+
+
+def not_evaluated_reason(output: StageOutput | None) -> str | None:
+    """Why a variant's policy was not evaluated (None: it was, or its variant failed)."""
+    if output is None or not is_not_evaluated(output):
+        return None
+    return str(not_evaluated_record(output)["reason"])
+
+
 def variant_files(plan: AblationPlan, outcomes: list[VariantOutcome]) -> list[VariantFiles]:
     """Where the comparison reads each variant's figures: its own PPO and evaluation directories."""
     by_name = {item.name: item for item in outcomes}
@@ -241,8 +266,9 @@ def variant_files(plan: AblationPlan, outcomes: list[VariantOutcome]) -> list[Va
                 settings=variant.settings_label(),
                 description=variant.spec.description,
                 ppo_dir=item.ppo.out_dir if item.ppo is not None else None,
-                eval_dir=item.evaluation.out_dir if item.evaluation is not None else None,
+                eval_dir=item.evaluation.out_dir if evaluated(item.evaluation) else None,
                 error=item.error,
+                not_evaluated=not_evaluated_reason(item.evaluation),
             )
         )
     return files

@@ -71,6 +71,7 @@ from tasks.tracking import resolve_tracking_uri
 MODELS_URI_PREFIX = "models:/"
 REGISTRY_STAGE = "registry"  # the `stage` of a StageOutput downloaded from the model registry
 PAIRS_TABLE = "pairs.json"
+REPLIES_SUBDIR = "replies"  # in the stage cache: each evaluated model's replies (rlhf_core/evaluation/model_replies.py)
 # Written by `download_version` next to a downloaded model's files, rebuilt from registry tags: records
 # about the model, not part of it, so they stay out of its content hash (`downloaded_model_sha256`).
 REBUILT_FILES = frozenset({REWARD_RECORD_FILE, TRAINING_DATA_FILE})
@@ -165,7 +166,9 @@ def evaluate_task(
     names: tuple[str, str],
 ) -> StageOutput:
     """Model A against model B on the eval split of `data` (rlhf_core.stages.evaluate); `names` label
-    them in the report (they do not enter the cache key)."""
+    them in the report (they do not enter the cache key). Each model's replies are kept in the stage
+    cache (`replies/`), so the next evaluation of the same model (the SFT baseline of every ablation
+    variant and retraining) reads them instead of sampling again."""
     inputs = {"data": data, "model_a": model_a, "model_b": model_b, "judge": judge.reward}
     with training_slot("evaluate"), tracked_stage("evaluate", config, context, inputs) as run:
         run_evaluate(
@@ -176,6 +179,7 @@ def evaluate_task(
             run.out_dir,
             judge=judge.kind,
             rm_dir=judge.reward.out_dir if judge.reward is not None else None,
+            replies_dir=context.cache_dir / REPLIES_SUBDIR,
             names=names,
             logger=run.progress_logger(),
         )

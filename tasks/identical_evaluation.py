@@ -58,26 +58,31 @@ def identical_models_reason(policy: StageOutput, sft: StageOutput) -> str:
     )
 
 
-def skip_identical_evaluation(policy: StageOutput, sft: StageOutput, context: StageContext) -> StageOutput:
-    """The evaluate stage's output for a policy identical to the SFT model: nothing generated or judged (see
-    the module docstring); the parent MLflow run is tagged with the status and the reason."""
-    out_dir = stage_output_dir(context.run_dir, "evaluate")
+def write_not_evaluated(policy: StageOutput, sft: StageOutput, out_dir: Path) -> StageOutput:
+    """`out_dir` as the evaluate stage's output for a policy identical to the SFT model: not_evaluated.json
+    and metrics.json, nothing generated or judged (see the module docstring)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    reason = identical_models_reason(policy, sft)
     record = {
         "status": IDENTICAL_MODELS,
-        "reason": reason,
+        "reason": identical_models_reason(policy, sft),
         "model_a": {"name": "PPO policy", "out_dir": str(policy.out_dir), "sha256": policy.sha256},
         "model_b": {"name": "SFT model", "out_dir": str(sft.out_dir), "sha256": sft.sha256},
     }
     atomic_write_text(out_dir / NOT_EVALUATED_FILE, json.dumps(record, indent=2) + "\n")
     write_metrics(out_dir, IDENTICAL_MODELS_FIGURES)  # last: the output is complete
-    client = context.tracking.client()
-    client.set_tag(context.tracking.parent_run_id, EVALUATION_STATUS_TAG, IDENTICAL_MODELS)
-    client.set_tag(context.tracking.parent_run_id, EVALUATION_REASON_TAG, reason)
     return StageOutput(
         stage="evaluate", out_dir=out_dir, sha256=directory_sha256(out_dir), metrics=dict(IDENTICAL_MODELS_FIGURES)
     )
+
+
+def skip_identical_evaluation(policy: StageOutput, sft: StageOutput, context: StageContext) -> StageOutput:
+    """The pipeline's evaluate stage for a policy identical to the SFT model (`write_not_evaluated`); the
+    parent MLflow run is tagged with the status and the reason."""
+    output = write_not_evaluated(policy, sft, stage_output_dir(context.run_dir, "evaluate"))
+    client = context.tracking.client()
+    client.set_tag(context.tracking.parent_run_id, EVALUATION_STATUS_TAG, IDENTICAL_MODELS)
+    client.set_tag(context.tracking.parent_run_id, EVALUATION_REASON_TAG, identical_models_reason(policy, sft))
+    return output
 
 
 def is_not_evaluated(output: StageOutput) -> bool:

@@ -5,7 +5,8 @@ One module-scoped scenario runs it five times and every test asserts on it:
   first:   the two-variant grid configs/ablations/tiny.yaml: both variants train and are evaluated;
   again:   the same grid again: no variant runs (cache hits), a fresh comparison of both is written;
   added:   the grid plus a third variant: only the third runs;
-  failing: the grid plus a variant whose PPO raises: the others are compared, then the flow fails;
+  failing: the grid plus a variant whose PPO raises and one whose PPO hands on its start (the SFT model,
+           not evaluated): the others are compared, then the flow fails;
   bad:     a variant with an unknown key: the flow fails before any task or MLflow run.
 (A variant killed mid-run resuming on rerun: tests/test_ablation_kill_resume.py.)
 """
@@ -46,6 +47,9 @@ pytestmark = pytest.mark.slow
 
 THIRD = {"name": "ppo_max-no_value_clip", "preset": "ppo_max", "overrides": ["ppo.value_clip=null"]}
 FAILING = {"name": "boom", "preset": "ppo_max", "overrides": ["ppo.value_clip=0.1"]}
+# With the inverse-CDF draws (the default; the scenario sets multinomial) PPO-max validates best at step 0
+# on the tiny base and hands on the SFT model itself.
+HANDED_ON_START = {"name": "start", "preset": "ppo_max", "overrides": ["ppo.rollout.sampler=inverse_cdf"]}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DRAIN_TIMEOUT_S = 10.0
 
@@ -129,7 +133,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_
         }
         with pytest.MonkeyPatch.context() as crash:
             crash.setattr(ppo_stage, "run_ppo", failing_for_value_clip_0_1(ppo_stage.run_ppo))
-            runs["failing"] = run_and_record(AblationSettings(grid=str(write_grid(root / "failing.yaml", FAILING)), **common))
+            runs["failing"] = run_and_record(AblationSettings(grid=str(write_grid(root / "failing.yaml", FAILING, HANDED_ON_START)), **common))
         before = len(all_runs(client))
         bad = [VariantSpec(name="fine", preset="vanilla"), VariantSpec(name="typo", preset="ppo_max", overrides=["ppo.value_clipp=null"])]
         runs["bad"] = run_and_record(AblationSettings(variants=bad, **common))
@@ -160,6 +164,9 @@ def test_a_two_variant_grid_trains_and_evaluates_both(scenario: Scenario) -> Non
     vanilla, ppo_max = (json.loads((item.ppo.out_dir / "metrics.json").read_text()) for item in result.variants)
     assert vanilla["critic_pretrain_steps"] == 0 and ppo_max["critic_pretrain_steps"] >= 1  # the presets, not the base's
     assert {"ablation-summary", "ablation-comparison"} <= run.artifacts
+    # the SFT model was sampled once for all the scenario's evaluations: one stored entry per model
+    evaluated = completed(scenario.runs["added"]).variants
+    assert len(list((scenario.root / "runs" / ".cache" / "replies").iterdir())) == len(evaluated) + 1
 
 
 def test_a_rerun_runs_no_variant_and_compares_the_cached_outputs(scenario: Scenario) -> None:
@@ -242,7 +249,7 @@ def test_a_failed_variant_stops_no_other_and_fails_the_flow_after_the_comparison
     assert run.state.is_failed() and "variant 'boom' failed" in run.state.message
     assert "simulated failure of this variant" in run.state.message
     assert variant_tasks(run) == {
-        "ppo[vanilla]": "Cached", "ppo[ppo_max]": "Cached", "ppo[boom]": "Failed",
+        "ppo[vanilla]": "Cached", "ppo[ppo_max]": "Cached", "ppo[boom]": "Failed", "ppo[start]": "Completed",
         "evaluate[vanilla]": "Cached", "evaluate[ppo_max]": "Cached",
     }  # fmt: skip
     flow_run_id = str(run.state.state_details.flow_run_id)
@@ -254,3 +261,17 @@ def test_a_failed_variant_stops_no_other_and_fails_the_flow_after_the_comparison
     rows = {row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]}
     assert "simulated failure of this variant" in rows["boom"]["error"] and rows["boom"]["final_kl"] is None
     assert rows["vanilla"]["error"] is None and rows["vanilla"]["judge_win_minus_lose"] is not None
+
+
+def test_a_variant_that_hands_on_its_start_is_not_evaluated(scenario: Scenario) -> None:
+    run = scenario.runs["failing"]
+    assert run.task_states["not-evaluated[start]"] == "Completed"
+    known = {completed(scenario.runs[name]).run_dir for name in ("first", "again", "added")}
+    (ablation_dir,) = set((scenario.root / "runs" / "ablations").iterdir()) - known
+    assert json.loads((ablation_dir / "start" / "ppo" / "selection.json").read_text())["chosen_step"] == 0
+    assert not (ablation_dir / "start" / "eval" / "generations.jsonl").exists()  # nothing sampled or judged
+    rows = {row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]}
+    assert "identical models, not evaluated" in rows["start"]["not_evaluated"]
+    assert rows["start"]["lc_win_rate"] is None and rows["start"]["judge_win_minus_lose"] is None
+    markdown = (ablation_dir / "comparison" / "comparison.md").read_text()
+    assert "| not evaluated |" in markdown and "`start` not evaluated: identical models, not evaluated" in markdown

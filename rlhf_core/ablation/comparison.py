@@ -35,13 +35,15 @@ SECONDS_PER_MINUTE = 60.0
 
 @dataclass(frozen=True)
 class VariantFiles:
-    """Where one variant's outputs are, or why it has none (`error`: the variant failed)."""
+    """Where one variant's outputs are, or why it has none (`error`: the variant failed; `not_evaluated`:
+    why its policy was not evaluated, e.g. it is the SFT model, and `eval_dir` is None)."""
 
     name: str
     settings: str
     ppo_dir: Path | None = None
     eval_dir: Path | None = None
     error: str | None = None
+    not_evaluated: str | None = None
     description: str = ""
 
 
@@ -70,6 +72,7 @@ class ComparisonRow(BaseModel):
     settings: str
     description: str = ""
     error: str | None = None
+    not_evaluated: str | None = None  # why the policy was not evaluated (the judge's fields are then None)
     final_kl: float | None = None
     selected_kl: float | None = None
     selected_step: int | None = None
@@ -174,4 +177,4 @@ def read_variant(files: VariantFiles) -> VariantResult:
         history = read_history(files.ppo_dir / HISTORY_FILE)
     if files.eval_dir is not None:
         fields |= evaluation_figures(files.eval_dir)
-    return VariantResult(row=ComparisonRow(error=files.error, **fields), history=history)
+    return VariantResult(row=ComparisonRow(error=files.error, not_evaluated=files.not_evaluated, **fields), history=history)

@@ -35,6 +35,11 @@ def rate_interval(value: Interval | None) -> str:
     return f"{value.mean:.3f} ({value.low:.3f} to {value.high:.3f})"
 
 
+def lc_cell(row: ComparisonRow) -> str:
+    """The length-controlled win rate, or that the policy was not evaluated (the findings say why)."""
+    return "not evaluated" if row.not_evaluated is not None else rate_interval(row.lc_win_rate)
+
+
 def length_matched_cell(row: ComparisonRow) -> str:
     if row.length_matched_win_minus_lose is None:
         return NOT_AVAILABLE
@@ -71,7 +76,7 @@ def comparison_table(rows: Sequence[ComparisonRow]) -> str:
         lines.append(
             f"| {row.variant} | {row.settings} | {number(row.final_kl)} | {selected} | "
             f"{signed_interval(row.held_out_gain)} | {signed_interval(row.judge_win_minus_lose, percent=True)} | "
-            f"{rate_interval(row.lc_win_rate)} | {length_matched_cell(row)} | {number(row.length_ratio)} | "
+            f"{lc_cell(row)} | {length_matched_cell(row)} | {number(row.length_ratio)} | "
             f"{guard_cell(row)} | {minutes_cell(row)} |"
         )
     return "\n".join(lines) + "\n"
@@ -125,6 +130,7 @@ def findings(rows: Sequence[ComparisonRow]) -> list[str]:
         )
     if any(row.judge_in_sample for row in done):
         items.append("**The judge is in-sample** (the reward model PPO optimised against): its verdicts favour the policies.")
+    items += [f"`{row.variant}` not evaluated: {row.not_evaluated}" for row in done if row.not_evaluated is not None]
     items += [f"`{row.variant}` failed: {row.error}" for row in rows if row.error is not None]
     return items
 

@@ -27,7 +27,8 @@ Outputs in `out_dir`:
 Everything that can be checked before the slow work is checked first: the judge and its
 configuration, the model and reward-model directories, other judges' verdict files, the eval split. A rerun into the
 same `out_dir` regenerates the replies (same seed, same replies on the same hardware) and reuses every
-cached LLM verdict. The stage holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py):
+cached LLM verdict; given a replies store, a model sampled before with the same settings is read from it
+instead (rlhf_core/evaluation/model_replies.py). The stage holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py):
 a second evaluation into the same directory fails at once, naming the first.
 """
 
@@ -52,6 +53,7 @@ from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import Judge, Judgement, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
+from rlhf_core.evaluation.model_replies import ModelReplies, ReplyStore, replies_key
 from rlhf_core.evaluation.outputs import (
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
@@ -106,21 +108,6 @@ def check_judge(judge: str, rm_dir: Path | None) -> None:
         raise ValueError("the reward-model judge needs a reward model: pass rm_dir (a train-rm output directory)")
 
 
-@dataclass(frozen=True)
-class ModelReplies:
-    """One model's replies: the main reply to each prompt, `extra[p]` the further replies to prompt p for
-    the length-matched pairs, and its perplexity on the held-out reference replies (and their count)."""
-
-    main: list[Reply]
-    extra: list[list[Reply]]
-    perplexity: float
-    measured: int
-
-    def samples(self) -> list[list[Reply]]:
-        """Every reply to each prompt, the main one first."""
-        return [[main, *extra] for main, extra in zip(self.main, self.extra)]
-
-
 def draw_replies(
     config: Config,
     model: PreTrainedModel,
@@ -157,7 +144,7 @@ def draw_replies(
     return main, extra
 
 
-def model_replies(
+def sample_model_replies(
     config: Config, model_dir: Path, prompts: Sequence[EvalPrompt], device: torch.device, label: str
 ) -> ModelReplies:
     """One model's replies to `prompts` (`draw_replies`) and its perplexity on their reference replies."""
@@ -168,6 +155,26 @@ def model_replies(
         model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size
     )
     return ModelReplies(main, extra, perplexity, measured)
+
+
+def model_replies(
+    config: Config,
+    model_dir: Path,
+    prompts: Sequence[EvalPrompt],
+    device: torch.device,
+    label: str,
+    store: ReplyStore | None,
+) -> ModelReplies:
+    """`sample_model_replies`, or with a `store`, what it holds for this model and these settings (sampled
+    and stored the first time)."""
+    if store is None:
+        return sample_model_replies(config, model_dir, prompts, device, label)
+    key = replies_key(model_dir_sha256(model_dir), prompts, config, GENERATION_BATCH_SIZE, device)
+    replies = store.load(key)
+    if replies is None:
+        replies = sample_model_replies(config, model_dir, prompts, device, label)
+        store.save(key, replies)
+    return replies
 
 
 def build_judge(
@@ -268,14 +275,19 @@ class GeneratedPairs:
 
 
 def generate_pairs(
-    config: Config, checked: CheckedInputs, out_dir: Path, device: torch.device, logger: MetricsLogger
+    config: Config,
+    checked: CheckedInputs,
+    out_dir: Path,
+    device: torch.device,
+    logger: MetricsLogger,
+    store: ReplyStore | None,
 ) -> tuple[GeneratedPairs, AlignmentTax]:
-    """Both models' replies, stored in generations.jsonl, generations_matched.jsonl and
-    generations_samples.jsonl and read back (the judge sees exactly what was stored), and the alignment
-    tax: each model's perplexity on the held-out reference replies."""
-    replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A")
+    """Both models' replies (from `store` where it holds them), stored in generations.jsonl,
+    generations_matched.jsonl and generations_samples.jsonl and read back (the judge sees exactly what was
+    stored), and the alignment tax: each model's perplexity on the held-out reference replies."""
+    replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A", store)
     logger.log_metrics({"progress": 0.3}, step=1)
-    replies_b = model_replies(config, checked.dir_b, checked.prompts, device, "model B")
+    replies_b = model_replies(config, checked.dir_b, checked.prompts, device, "model B", store)
     logger.log_metrics({"progress": 0.6}, step=2)
     write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(checked.prompts, replies_a.main, replies_b.main))
     matched = length_matched_pairs(checked.prompts, replies_a.samples(), replies_b.samples())
@@ -364,6 +376,7 @@ def run_evaluate(
     rm_in_sample: bool | None = None,
     other_verdicts: Sequence[Path] = (),
     judge_cache_dir: Path | None = None,
+    replies_dir: Path | None = None,
     names: tuple[str, str] | None = None,
     logger: MetricsLogger | None = None,
 ) -> StageResult:
@@ -373,7 +386,8 @@ def run_evaluate(
     that does not record its reward model (`judge_in_sample`; None: assume so, and the report flags
     the verdicts as in-sample). `other_verdicts`: verdicts.jsonl files of other judges on the same
     pairs, for agreement figures. `judge_cache_dir`: the LLM judge's cache (default
-    `out_dir/judge_cache`). `names`: how the report names A and B (default: the paths given).
+    `out_dir/judge_cache`). `replies_dir`: a `ReplyStore` of models' replies shared between evaluations
+    (rlhf_core/evaluation/model_replies.py; None: both models are sampled). `names`: how the report names A and B (default: the paths given).
     Holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py), and checks every input
     before it touches `out_dir`, so a rerun that fails on its inputs leaves a finished evaluation finished.
     """
@@ -387,7 +401,8 @@ def run_evaluate(
         (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
         logger.log_params(evaluation_params(config, judge, model_a, model_b))
         logger.log_metrics({"progress": 0.0}, step=0)
-        generated, tax = generate_pairs(config, checked, out_dir, device, logger)
+        store = ReplyStore(replies_dir) if replies_dir is not None else None
+        generated, tax = generate_pairs(config, checked, out_dir, device, logger, store)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
         judgements = judge_pairs(judge_impl, generated, out_dir)
