@@ -74,6 +74,21 @@ def test_the_unguarded_grid_raises_the_rate_and_switches_off_only_the_guard() ->
         assert differences(variant, variant.spec.preset) == {}  # the Figure 5 switches are the preset's
 
 
+def test_the_length_grid_changes_one_lever_per_variant() -> None:
+    plan = plan_ablation(read_grid(GRIDS / "length.yaml"), PARAMS)
+    base = plan.base_config.ppo
+    by_name = {variant.name: variant.config.ppo for variant in plan.variants}
+    assert by_name["vanilla-no_length_guard"].guard.min_length_ratio is None
+    assert by_name["vanilla-no_length_guard"].guard.max_kl == base.guard.max_kl  # the other bounds stay
+    assert by_name["ppo_max-no_unfinished_penalty"].unfinished_penalty == 0.0 != base.unfinished_penalty
+    assert by_name["ppo_max-cap128"].rollout.max_new_tokens == 128 != base.rollout.max_new_tokens
+    assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
+    assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr
+    for variant in plan.variants:  # of the preset's switches, only the KL coefficient is a lever here
+        expected = {"kl_coef": 0.05} if variant.name == "ppo_max-kl0.05" else {}
+        assert differences(variant, variant.spec.preset) == expected
+
+
 def test_base_switches_refine_their_own_preset_and_are_dropped_for_another() -> None:
     # configs/tiny.yaml sets ppo.critic_pretrain_steps: 1 over the base's ppo_max preset
     grid = GridSpec(
