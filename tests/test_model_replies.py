@@ -56,6 +56,12 @@ def test_everything_that_decides_the_replies_is_in_the_key(inputs: StageInputs) 
         replies_key("model-sha", prompts, config, 4, cpu),
         replies_key("model-sha", prompts, config, 8, torch.device("meta")),
     ]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        others.append(replies_key("model-sha", prompts, config, 8, cpu))
+    finally:
+        torch.set_num_threads(threads)
     assert len({key, *others}) == 1 + len(others)
 
 

@@ -3,7 +3,7 @@
 An evaluation samples both of its models. The baseline is most often the same SFT model every time: each
 variant of an ablation, each retraining and each promotion evaluates a new policy against it. The replies
 of a model are decided by its weights, the prompts, the sampling settings and seed, the batch they are
-sampled in and the hardware, so `ReplyStore` keeps them under a key of exactly those (`replies_key`), and
+sampled in and the hardware (and the thread count: it can change the order of a matmul's sums), so `ReplyStore` keeps them under a key of exactly those (`replies_key`), and
 an evaluation that meets the same model again reads its replies instead of sampling them anew (half of
 an evaluation's time on a CPU; docs/stage-bounds.md). Same key, same replies: a stored entry is what
 sampling would give on this hardware and torch version, which the key holds.
@@ -51,7 +51,7 @@ def replies_key(
 ) -> str:
     """A sha256 of everything that decides a model's `ModelReplies`: the model's content, the prompts and
     their reference replies, the sampling settings, seed and sample count, the batch size, the settings
-    of the perplexity measurement, the dtype, the device type and the torch version."""
+    of the perplexity measurement, the dtype, the device type, the CPU thread count and the torch version."""
     evaluation = config.evaluation
     identity = {
         "format": STORE_FORMAT,
@@ -64,6 +64,7 @@ def replies_key(
         "perplexity": [config.sft.max_length, config.sft.micro_batch_size],
         "dtype": config.model.dtype,
         "device": device.type,
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
