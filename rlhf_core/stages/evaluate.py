@@ -280,11 +280,13 @@ def generate_pairs(
     out_dir: Path,
     device: torch.device,
     logger: MetricsLogger,
-    store: ReplyStore | None,
+    replies_dir: Path | None,
 ) -> tuple[GeneratedPairs, AlignmentTax]:
-    """Both models' replies (from `store` where it holds them), stored in generations.jsonl,
-    generations_matched.jsonl and generations_samples.jsonl and read back (the judge sees exactly what was
-    stored), and the alignment tax: each model's perplexity on the held-out reference replies."""
+    """Both models' replies (from the `ReplyStore` in `replies_dir` where it holds them), stored in
+    generations.jsonl, generations_matched.jsonl and generations_samples.jsonl and read back (the judge
+    sees exactly what was stored), and the alignment tax: each model's perplexity on the held-out reference
+    replies."""
+    store = ReplyStore(replies_dir) if replies_dir is not None else None
     replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A", store)
     logger.log_metrics({"progress": 0.3}, step=1)
     replies_b = model_replies(config, checked.dir_b, checked.prompts, device, "model B", store)
@@ -382,14 +384,13 @@ def run_evaluate(
 ) -> StageResult:
     """Compare model A with model B on the eval split; see the module docstring.
 
-    `rm_in_sample`: whether the reward model judging is the one PPO optimised against, for a model A
-    that does not record its reward model (`judge_in_sample`; None: assume so, and the report flags
-    the verdicts as in-sample). `other_verdicts`: verdicts.jsonl files of other judges on the same
-    pairs, for agreement figures. `judge_cache_dir`: the LLM judge's cache (default
-    `out_dir/judge_cache`). `replies_dir`: a `ReplyStore` of models' replies shared between evaluations
-    (rlhf_core/evaluation/model_replies.py; None: both models are sampled). `names`: how the report names A and B (default: the paths given).
-    Holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py), and checks every input
-    before it touches `out_dir`, so a rerun that fails on its inputs leaves a finished evaluation finished.
+    `rm_in_sample`: whether the judging reward model is the one PPO optimised against, for a model A that
+    does not record it (`judge_in_sample`; None: assume so, and the report flags the verdicts as
+    in-sample). `other_verdicts`: other judges' verdicts.jsonl on the same pairs, for agreement figures.
+    `judge_cache_dir`: the LLM judge's cache (default `out_dir/judge_cache`). `replies_dir`: models'
+    replies kept between evaluations (`ReplyStore`; None: both are sampled). `names`: how the report names
+    A and B (default: the paths). Holds the output lock of `out_dir` throughout (output_lock.py); checks
+    every input before touching `out_dir`: a rerun failing on its inputs leaves a finished one finished.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -401,8 +402,7 @@ def run_evaluate(
         (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
         logger.log_params(evaluation_params(config, judge, model_a, model_b))
         logger.log_metrics({"progress": 0.0}, step=0)
-        store = ReplyStore(replies_dir) if replies_dir is not None else None
-        generated, tax = generate_pairs(config, checked, out_dir, device, logger, store)
+        generated, tax = generate_pairs(config, checked, out_dir, device, logger, replies_dir)
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
         judgements = judge_pairs(judge_impl, generated, out_dir)
