@@ -60,6 +60,19 @@ def test_scores_match_the_reference_despite_batching_and_padding(reward_model, t
     assert scores.tolist() == pytest.approx(expected, abs=1e-4)
 
 
+def test_batches_are_cut_from_the_conversations_sorted_by_length(reward_model, tokenizer) -> None:
+    pairs = make_pairs()
+    conversations = [(pair.prompt, reply) for pair in pairs for reply in (pair.reply_a, pair.reply_b)]
+    lengths = sorted(len(encode_conversation(tokenizer, prompt, reply).input_ids) for prompt, reply in conversations)
+    widths: list[tuple[int, int]] = []
+    hook = reward_model.register_forward_pre_hook(lambda module, args: widths.append(tuple(args[0].shape)))
+    try:
+        score_replies(reward_model, tokenizer, conversations, batch_size=3)
+    finally:
+        hook.remove()
+    assert widths == [(len(lengths[i : i + 3]), max(lengths[i : i + 3])) for i in range(0, len(lengths), 3)]
+
+
 def test_verdicts_follow_the_margins_and_the_tie_margin(reward_model, tokenizer) -> None:
     pairs = make_pairs()
     margins = [

@@ -49,20 +49,27 @@ def score_replies(
     conversations: Sequence[tuple[Sequence[Message], str]],
     batch_size: int,
 ) -> np.ndarray:
-    """r(x, y) [N] of each (prompt, reply), `batch_size` conversations per forward pass (a progress bar
-    counts the replies scored)."""
+    """r(x, y) [N] of each (prompt, reply), in the order given, `batch_size` conversations per forward pass
+    (a progress bar counts the replies scored).
+
+    The batches are cut from the conversations sorted by length, so each pass pads to a near neighbour's
+    length rather than to the longest of a random few: an evaluation's policy and SFT replies differ in
+    length, and in input order a quarter of the judge's token passes were padding (docs/stage-bounds.md).
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = next(reward_model.parameters()).device
     encoded = [encode_conversation(tokenizer, prompt, reply) for prompt, reply in conversations]
-    scores = []
+    order = sorted(range(len(encoded)), key=lambda index: len(encoded[index].input_ids))
+    scores = torch.zeros(len(encoded), dtype=torch.float64)
     with progress(len(encoded), "rm judge", "reply") as scored:
-        for start in range(0, len(encoded), batch_size):
-            batch = collate_sequences(encoded[start : start + batch_size], tokenizer.pad_token_id).to(device)
+        for start in range(0, len(order), batch_size):
+            indices = order[start : start + batch_size]
+            batch = collate_sequences([encoded[index] for index in indices], tokenizer.pad_token_id).to(device)
             output = reward_model(batch.input_ids, batch.attention_mask, reply_start=batch.reply_start)
-            scores.append(output.scores.float().cpu())
-            scored.advance(len(batch.input_ids))
-    return torch.cat(scores).numpy().astype(np.float64) if scores else np.zeros(0)
+            scores[indices] = output.scores.float().cpu().double()
+            scored.advance(len(indices))
+    return scores.numpy()
 
 
 class RewardModelJudge:
