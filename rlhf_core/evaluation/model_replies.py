@@ -3,9 +3,10 @@
 An evaluation samples both of its models. The baseline is most often the same SFT model every time: each
 variant of an ablation, each retraining and each promotion evaluates a new policy against it. The replies
 of a model are decided by its weights, the prompts, the sampling settings and seed, the batch they are
-sampled in and the hardware (and the thread count: it can change the order of a matmul's sums), so `ReplyStore` keeps them under a key of exactly those (`replies_key`), and
-an evaluation that meets the same model again reads its replies instead of sampling them anew (half of
-an evaluation's time on a CPU; docs/stage-bounds.md). Same key, same replies: a stored entry is what
+sampled in and the hardware (and the thread count: it can change the order of a matmul's sums), so
+`ReplyStore` keeps them under a key of exactly those (`replies_key`), and an evaluation that meets the same
+model again reads its replies instead of sampling them anew (half of an evaluation's time on a CPU;
+docs/stage-bounds.md). Same key, same replies: a stored entry is what
 sampling would give on this hardware and torch version, which the key holds.
 """
 

@@ -24,12 +24,12 @@ Outputs in `out_dir`:
     judge_cache/         the LLM judge's cache (llm judge only; kept across reruns)
     metrics.json         headline figures, written LAST: the evaluation is complete iff it exists
 
-Everything that can be checked before the slow work is checked first: the judge and its
-configuration, the model and reward-model directories, other judges' verdict files, the eval split. A rerun into the
-same `out_dir` regenerates the replies (same seed, same replies on the same hardware) and reuses every
-cached LLM verdict; given a replies store, a model sampled before with the same settings is read from it
-instead (rlhf_core/evaluation/model_replies.py). The stage holds the output lock of `out_dir` throughout (rlhf_core/output_lock.py):
-a second evaluation into the same directory fails at once, naming the first.
+Everything that can be checked before the slow work is checked first: the judge and its configuration,
+the model and reward-model directories, other judges' verdict files, the eval split. A rerun into the same
+`out_dir` regenerates the replies (same seed, same replies on the same hardware) and reuses every cached
+LLM verdict; given a replies store, a model sampled before with the same settings is read from it instead
+(rlhf_core/evaluation/model_replies.py). The stage holds the output lock of `out_dir` throughout
+(rlhf_core/output_lock.py): a second evaluation into the same directory fails at once, naming the first.
 """
 
 from __future__ import annotations
