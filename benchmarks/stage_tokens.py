@@ -204,7 +204,8 @@ def evaluation_work(
     (the extra ones with each prompt repeated), every batch taken to run all `max_new_tokens` columns;
     each model's perplexity on the reference replies; the judge RM over the pairs of the length-controlled
     win rate (`length_controlled_samples` per prompt, the main one included) and as many length-matched
-    pairs as prompts (an upper estimate: a pair judged twice is scored once). `reply_tokens`: the mean reply length of model A and B (generations.jsonl), or
+    pairs as prompts, in batches of the replies sorted by length as the judge cuts them (an upper estimate: a
+    pair judged twice is scored once). `reply_tokens`: the mean reply length of model A and B (generations.jsonl), or
     None for `max_new_tokens` (an upper estimate)."""
     evaluation, sft = config["evaluation"], config["sft"]
     new, samples = evaluation["generation"]["max_new_tokens"], evaluation["length_matched_samples"]
@@ -221,7 +222,7 @@ def evaluation_work(
         size = sft["micro_batch_size"]
         works += [lm_batch(shape, references[i : i + size], shape.layers) for i in range(0, len(references), size)]
     pairs_per_prompt = evaluation.get("length_controlled_samples") or samples
-    judged = [n + round(mean) for mean in reply_tokens or (new, new) for n in lengths] * (pairs_per_prompt + 1)
+    judged = sorted([n + round(mean) for mean in reply_tokens or (new, new) for n in lengths] * (pairs_per_prompt + 1))
     size = config["reward"]["micro_batch_size"]
     works += [batch_pass(shape, judged[i : i + size], shape.layers) for i in range(0, len(judged), size)]
     return total(works)
