@@ -1,9 +1,9 @@
 """How the evaluation's generation batch size trades time for the same replies' distribution.
 
-The evaluation samples each model's replies to the held-out prompts in batches (`GENERATION_BATCH_SIZE`
-in rlhf_core/stages/evaluate.py), and a batch runs until its longest reply ends (up to
-`evaluation.generation.max_new_tokens`). A decode step streams every weight once whatever the batch, so a
-larger batch shares that traffic among more replies, and wastes more steps on rows that have finished.
+The evaluation samples each model's replies to the held-out prompts in batches of `evaluation.batch_size`,
+and a batch runs until its longest reply ends (up to `evaluation.generation.max_new_tokens`). A decode step
+streams every weight once whatever the batch, so a larger batch shares that traffic among more replies,
+and wastes more steps on rows that have finished.
 This script times `generate_replies` exactly as the evaluation calls it, on a run's SFT model and the
 first `--prompts` evaluation prompts, at each batch size, interleaved over `--repeats` rounds, and
 prints replies per second and the replies' mean length and finished share (the batch size changes

@@ -26,7 +26,6 @@ from rlhf_core.stages.sft import heldout_pairs
 from rlhf_core.training.batching import BatchPlan, batch_plan, fixed_size_plan
 
 Params = Mapping[str, Any]
-GENERATION_BATCH_SIZE = 8  # rlhf_core/stages/evaluate.py's
 
 
 def validation_batch_counts(total_steps: int, eval_every: int | None, eval_batches: int, batches: int) -> list[int]:
@@ -200,15 +199,16 @@ def evaluation_work(
     shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir: Path, config: Params,
     reply_tokens: tuple[float, float] | None,
 ) -> Work:  # fmt: skip
-    """Evaluation of two models: each samples `length_matched_samples` replies per prompt in batches of 8
-    (the extra ones with each prompt repeated), every batch taken to run all `max_new_tokens` columns;
-    each model's perplexity on the reference replies; the judge RM over the pairs of the length-controlled
-    win rate (`length_controlled_samples` per prompt, the main one included) and as many length-matched
-    pairs as prompts, in batches of the replies sorted by length as the judge cuts them (an upper estimate: a
-    pair judged twice is scored once). `reply_tokens`: the mean reply length of model A and B (generations.jsonl), or
-    None for `max_new_tokens` (an upper estimate)."""
+    """Evaluation of two models: each samples `length_matched_samples` replies per prompt in batches of
+    `evaluation.batch_size` (the extra ones with each prompt repeated), every batch taken to run all
+    `max_new_tokens` columns; each model's perplexity on the reference replies; the judge RM over the pairs
+    of the length-controlled win rate (`length_controlled_samples` per prompt, the main one included) and
+    as many length-matched pairs as prompts, in batches of the replies sorted by length as the judge cuts
+    them (an upper estimate: a pair judged twice is scored once). `reply_tokens`: the mean reply length of
+    model A and B (generations.jsonl), or None for `max_new_tokens` (an upper estimate)."""
     evaluation, sft = config["evaluation"], config["sft"]
     new, samples = evaluation["generation"]["max_new_tokens"], evaluation["length_matched_samples"]
+    batch_size = evaluation.get("batch_size", 8)  # 8: runs from before the setting
     prompts = evaluation_prompts(data_dir, evaluation["max_prompts"])
     lengths = [len(encode_prompt(tokenizer, p.prompt)) for p in prompts]
     references = encode_examples(tokenizer, [(p.prompt, p.reference_reply) for p in prompts], sft["max_length"]).encoded
@@ -216,8 +216,8 @@ def evaluation_work(
     for mean in reply_tokens or (new, new):
         orders = [lengths] + ([[n for n in lengths for _ in range(samples - 1)]] if samples > 1 else [])
         for order in orders:
-            for start in range(0, len(order), GENERATION_BATCH_SIZE):
-                batch = order[start : start + GENERATION_BATCH_SIZE]
+            for start in range(0, len(order), batch_size):
+                batch = order[start : start + batch_size]
                 works.append(generation(shape, len(batch), max(batch), new, sum(batch) + round(mean * len(batch))))
         size = sft["micro_batch_size"]
         works += [lm_batch(shape, references[i : i + size], shape.layers) for i in range(0, len(references), size)]

@@ -19,7 +19,6 @@ from rlhf_core.evaluation.prompts import evaluation_prompts
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
-from rlhf_core.stages.evaluate import GENERATION_BATCH_SIZE
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
 from tasks.human_eval import generate_pairs_task
@@ -59,7 +58,7 @@ def test_generated_pairs_match_rlhf_eval_sampling_and_are_kept_on_resume(tmp_pat
             model_tokenizer,
             [p.prompt for p in prompts],
             config.evaluation.generation,
-            GENERATION_BATCH_SIZE,
+            config.evaluation.batch_size,
             config.seed,
         )
         assert [row[column] for row in rows] == [reply.text for reply in reference]

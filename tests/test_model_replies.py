@@ -44,22 +44,22 @@ def test_everything_that_decides_the_replies_is_in_the_key(inputs: StageInputs) 
     config = tiny_config()
     prompts = evaluation_prompts(inputs.data_dir, config.evaluation.max_prompts)
     cpu = torch.device("cpu")
-    key = replies_key("model-sha", prompts, config, 8, cpu)
-    assert key == replies_key("model-sha", prompts, tiny_config(), 8, cpu)
+    key = replies_key("model-sha", prompts, config, cpu)
+    assert key == replies_key("model-sha", prompts, tiny_config(), cpu)
     others = [
-        replies_key("other-sha", prompts, config, 8, cpu),
-        replies_key("model-sha", prompts[1:], config, 8, cpu),
-        replies_key("model-sha", prompts, tiny_config("seed=7"), 8, cpu),
-        replies_key("model-sha", prompts, tiny_config("evaluation.generation.temperature=0.5"), 8, cpu),
-        replies_key("model-sha", prompts, tiny_config("evaluation.length_matched_samples=3"), 8, cpu),
-        replies_key("model-sha", prompts, tiny_config("sft.max_length=64"), 8, cpu),
-        replies_key("model-sha", prompts, config, 4, cpu),
-        replies_key("model-sha", prompts, config, 8, torch.device("meta")),
+        replies_key("other-sha", prompts, config, cpu),
+        replies_key("model-sha", prompts[1:], config, cpu),
+        replies_key("model-sha", prompts, tiny_config("seed=7"), cpu),
+        replies_key("model-sha", prompts, tiny_config("evaluation.generation.temperature=0.5"), cpu),
+        replies_key("model-sha", prompts, tiny_config("evaluation.length_matched_samples=3"), cpu),
+        replies_key("model-sha", prompts, tiny_config("sft.max_length=64"), cpu),
+        replies_key("model-sha", prompts, tiny_config("evaluation.batch_size=4"), cpu),
+        replies_key("model-sha", prompts, config, torch.device("meta")),
     ]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        others.append(replies_key("model-sha", prompts, config, 8, cpu))
+        others.append(replies_key("model-sha", prompts, config, cpu))
     finally:
         torch.set_num_threads(threads)
     assert len({key, *others}) == 1 + len(others)

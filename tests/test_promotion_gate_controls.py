@@ -47,7 +47,7 @@ from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
 from rlhf_core.evaluation.report import build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
-from rlhf_core.stages.evaluate import GENERATION_BATCH_SIZE, GENERATIONS_FILE, judged_pairs
+from rlhf_core.stages.evaluate import GENERATIONS_FILE, judged_pairs
 from rlhf_core.stages.prepare_data import run_prepare_data
 from tasks.promotion_gate import GUARD_DISABLED, gate_checks
 
@@ -124,7 +124,7 @@ def answers(
     """A model's replies to `prompts` and its perplexity on their held-out chosen replies (the eval stage's
     `model_replies`, for a model in memory)."""
     replies = generate_replies(
-        model, tokenizer, [p.prompt for p in prompts], config.evaluation.generation, GENERATION_BATCH_SIZE, config.seed
+        model, tokenizer, [p.prompt for p in prompts], config.evaluation.generation, config.evaluation.batch_size, config.seed
     )
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, _ = reply_perplexity(model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size)

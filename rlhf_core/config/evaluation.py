@@ -25,6 +25,13 @@ class EvaluationConfig(Section):
         description="Sampling for the compared replies (the paper's evaluation settings) and the engine that "
         "samples them (lean by default, as PPO's rollouts).",
     )
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Replies sampled together: a larger batch shares each decode step's weight traffic among more "
+        "replies (benchmarks/eval_generation.py measures it); it decides which replies are drawn, so a stored "
+        "model is sampled again after a change.",
+    )
     length_matched_samples: int = Field(
         4,
         ge=1,

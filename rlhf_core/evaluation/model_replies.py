@@ -47,7 +47,6 @@ def replies_key(
     model_sha256: str,
     prompts: Sequence[EvalPrompt],
     config: Config,
-    batch_size: int,
     device: torch.device,
 ) -> str:
     """A sha256 of everything that decides a model's `ModelReplies`: the model's content, the prompts and
@@ -61,7 +60,7 @@ def replies_key(
         "generation": evaluation.generation.model_dump(mode="json"),
         "samples": evaluation.length_matched_samples,
         "seed": config.seed,
-        "batch_size": batch_size,
+        "batch_size": evaluation.batch_size,
         "perplexity": [config.sft.max_length, config.sft.micro_batch_size],
         "dtype": config.model.dtype,
         "device": device.type,

@@ -86,7 +86,6 @@ from rlhf_core.training.logger import MetricsLogger, NullLogger
 
 JudgeKind = Literal["rm", "llm"]
 JUDGES: tuple[str, ...] = ("rm", "llm")
-GENERATION_BATCH_SIZE = 8
 EXTRA_SAMPLES_SEED_OFFSET = 1  # the extra replies are sampled from seed + this: other draws than the main ones
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -125,7 +124,7 @@ def draw_replies(
         tokenizer,
         messages,
         settings.generation,
-        GENERATION_BATCH_SIZE,
+        settings.batch_size,
         config.seed,
         desc=None if label is None else f"eval: {label}",
     )
@@ -136,7 +135,7 @@ def draw_replies(
         tokenizer,
         messages,
         settings.generation,
-        GENERATION_BATCH_SIZE,
+        settings.batch_size,
         config.seed + EXTRA_SAMPLES_SEED_OFFSET,
         settings.length_matched_samples - 1,
         desc=None if label is None else f"eval: {label}, length-matched samples",
@@ -169,7 +168,7 @@ def model_replies(
     and stored the first time)."""
     if store is None:
         return sample_model_replies(config, model_dir, prompts, device, label)
-    key = replies_key(model_dir_sha256(model_dir), prompts, config, GENERATION_BATCH_SIZE, device)
+    key = replies_key(model_dir_sha256(model_dir), prompts, config, device)
     replies = store.load(key)
     if replies is None:
         replies = sample_model_replies(config, model_dir, prompts, device, label)
