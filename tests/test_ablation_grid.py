@@ -68,7 +68,8 @@ def test_the_unguarded_grid_raises_the_rate_and_switches_off_only_the_guard() ->
         ppo = variant.config.ppo
         assert ppo.policy_lr == 5e-5
         assert ppo.guard.model_dump() == {
-            "max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None
+            "max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None,
+            "length_window": 1,
         }  # fmt: skip
         assert not ppo.guard.enabled
         assert differences(variant, variant.spec.preset) == {}  # the Figure 5 switches are the preset's
@@ -82,6 +83,11 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     assert by_name["vanilla-no_length_guard"].guard.max_kl == base.guard.max_kl  # the other bounds stay
     assert by_name["ppo_max-no_unfinished_penalty"].unfinished_penalty == 0.0 != base.unfinished_penalty
     assert by_name["ppo_max-cap128"].rollout.max_new_tokens == 128 != base.rollout.max_new_tokens
+    window = by_name["ppo_max-cap128-window4"]
+    assert (window.rollout.max_new_tokens, window.guard.length_window) == (128, 4) != (
+        base.rollout.max_new_tokens,
+        base.guard.length_window,
+    )
     assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
     assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr
     for variant in plan.variants:  # of the preset's switches, only the KL coefficient is a lever here

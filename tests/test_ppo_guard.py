@@ -73,8 +73,10 @@ def test_a_length_band_that_excludes_the_initial_length_is_refused(settings: dic
 def test_the_guard_is_enabled_while_any_bound_is_set() -> None:
     off = {"max_kl": None, "min_length_ratio": None, "max_length_ratio": None, "max_perplexity_drop": None}
     assert CollapseGuardConfig().enabled and not CollapseGuardConfig(**off).enabled
-    for bound, value in CollapseGuardConfig().model_dump().items():
-        assert CollapseGuardConfig(**{**off, bound: value}).enabled, bound
+    defaults = CollapseGuardConfig().model_dump()
+    for bound in off:
+        assert CollapseGuardConfig(**{**off, bound: defaults[bound]}).enabled, bound
+    assert not CollapseGuardConfig(**off, length_window=4).enabled  # a window is no bound
 
 
 def test_perplexity_drop_bound() -> None:
@@ -130,6 +132,38 @@ def test_guard_baseline_survives_a_resume() -> None:
     resumed.load_state_dict(guard.state_dict())
     with pytest.raises(CollapseError, match="max_length_ratio"):
         resumed.check(monitors(length=31.0), step=5, initial_policy=False)  # measured against 20
+
+
+def test_length_window_judges_the_mean_of_the_latest_rollouts() -> None:
+    bounds = CollapseGuardConfig(max_kl=None, max_perplexity_drop=None, length_window=3)  # band [0.67, 1.5]
+    guard = CollapseGuard(bounds)
+    guard.check(monitors(length=20.0), step=1, initial_policy=True)
+    guard.check(monitors(length=20.0), step=2, initial_policy=False)
+    guard.check(monitors(length=12.0), step=3, initial_policy=False)  # alone 0.6x; (20 + 20 + 12) / 3 = 0.87x
+    guard.check(monitors(length=16.0), step=4, initial_policy=False)  # (20 + 12 + 16) / 3 = 0.8x
+    with pytest.raises(CollapseError, match=r"step 5: mean response length 12.67 is 0.633 times") as error:
+        guard.check(monitors(length=10.0), step=5, initial_policy=False)  # (12 + 16 + 10) / 3
+    assert error.value.bound == "min_length_ratio"
+    with pytest.raises(CollapseError, match="min_length_ratio"):  # window 1 (the default): the rollout alone
+        single = CollapseGuard(CollapseGuardConfig(max_kl=None, max_perplexity_drop=None))
+        single.check(monitors(length=20.0), step=1, initial_policy=True)
+        single.check(monitors(length=12.0), step=2, initial_policy=False)
+
+
+def test_the_length_window_survives_a_resume_and_older_checkpoints_load() -> None:
+    bounds = CollapseGuardConfig(max_kl=None, max_perplexity_drop=None, length_window=2)
+    guard = CollapseGuard(bounds)
+    guard.check(monitors(length=20.0), step=1, initial_policy=True)
+    guard.check(monitors(length=14.0), step=2, initial_policy=False)  # (20 + 14) / 2 = 0.85x
+    resumed = CollapseGuard(bounds)
+    resumed.load_state_dict(guard.state_dict())
+    with pytest.raises(CollapseError, match="min_length_ratio"):
+        resumed.check(monitors(length=12.0), step=3, initial_policy=False)  # (14 + 12) / 2 = 0.65x
+    older = {key: value for key, value in guard.state_dict().items() if key != "recent_lengths"}
+    fresh = CollapseGuard(bounds)
+    fresh.load_state_dict(older)  # a checkpoint from before the window: its baseline, an empty window
+    assert (fresh.start_length, fresh.recent_lengths) == (20.0, [])
+    fresh.check(monitors(length=16.0), step=3, initial_policy=False)  # 16 / 20 = 0.8x
 
 
 def test_within_kl_bound() -> None:

@@ -61,6 +61,12 @@ class CollapseGuardConfig(Section):
     max_perplexity_drop: float | None = Field(
         0.5, gt=0, lt=1, description="Largest allowed relative drop of response perplexity."
     )
+    length_window: int = Field(
+        1,
+        ge=1,
+        description="Rollouts whose mean length the length band judges (the latest ones). One rollout of 16 "
+        "replies is noisy: at a 128-token cap the SFT policy's own rollouts varied by 19% (docs/length-debias.md).",
+    )
 
     @model_validator(mode="after")
     def _length_band_not_empty(self) -> CollapseGuardConfig:

@@ -4,7 +4,9 @@ The paper finds that a collapsing run announces itself in cheap signals long bef
 notice: the KL to the reference climbs, responses grow or shrink, their perplexity drops (the
 policy becomes over-confident, repeating a pattern the reward model likes). The guard checks each
 rollout's monitors against configured bounds; length and perplexity are judged RELATIVE TO THE
-START of the run (the mean over the rollouts of the initial, SFT policy), KL is absolute. A NaN or infinite
+START of the run (the mean over the rollouts of the initial, SFT policy), KL is absolute. The length is
+the mean over the latest `length_window` rollouts (1: this rollout alone), since one rollout's few
+replies vary in length by themselves. A NaN or infinite
 loss or gradient norm stops the run too, before the optimizer applies it.
 
 The length band (`min_length_ratio`, `max_length_ratio`) defaults to the promotion gate's band on the
@@ -19,7 +21,7 @@ step. The trainer's caller then hands on the best checkpoint (see `trainer.fit`)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlhf_core.config import CollapseGuardConfig
 
@@ -92,6 +94,7 @@ class CollapseGuard:
     baseline_rollouts: int = 0
     start_length: float = 0.0
     start_perplexity: float = 0.0
+    recent_lengths: list[float] = field(default_factory=list)  # the latest `length_window` rollouts' means
 
     def check(self, metrics: dict[str, float], step: int, initial_policy: bool) -> None:
         """Check one rollout's monitors; rollouts of the `initial_policy` also extend the baseline."""
@@ -99,13 +102,14 @@ class CollapseGuard:
             check_finite(name, metrics[name], step)
         if initial_policy:
             self._extend_baseline(metrics[LENGTH_METRIC], metrics[PERPLEXITY_METRIC])
+        self.recent_lengths = [*self.recent_lengths, metrics[LENGTH_METRIC]][-self.bounds.length_window :]
         if self.baseline_rollouts == 0:
             raise ValueError(
                 "the guard's baseline is empty: the first rollout must come from the initial policy"
             )
         check_kl(metrics[KL_METRIC], self.bounds.max_kl, step)
         check_length_ratio(
-            metrics[LENGTH_METRIC],
+            sum(self.recent_lengths) / len(self.recent_lengths),
             self.start_length,
             self.bounds.min_length_ratio,
             self.bounds.max_length_ratio,
@@ -125,14 +129,16 @@ class CollapseGuard:
         """Whether a policy with this per-token KL may be handed on as the best checkpoint."""
         return self.bounds.max_kl is None or kl <= self.bounds.max_kl
 
-    def state_dict(self) -> dict[str, float]:
+    def state_dict(self) -> dict[str, float | list[float]]:
         return {
             "baseline_rollouts": self.baseline_rollouts,
             "start_length": self.start_length,
             "start_perplexity": self.start_perplexity,
+            "recent_lengths": list(self.recent_lengths),
         }
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float | list[float]]) -> None:
         self.baseline_rollouts = int(state["baseline_rollouts"])
         self.start_length = float(state["start_length"])
         self.start_perplexity = float(state["start_perplexity"])
+        self.recent_lengths = [float(length) for length in state.get("recent_lengths", [])]  # absent: older checkpoints
