@@ -141,7 +141,8 @@ def test_length_window_judges_the_mean_of_the_latest_rollouts() -> None:
     guard.check(monitors(length=20.0), step=2, initial_policy=False)
     guard.check(monitors(length=12.0), step=3, initial_policy=False)  # alone 0.6x; (20 + 20 + 12) / 3 = 0.87x
     guard.check(monitors(length=16.0), step=4, initial_policy=False)  # (20 + 12 + 16) / 3 = 0.8x
-    with pytest.raises(CollapseError, match=r"step 5: mean response length 12.67 is 0.633 times") as error:
+    message = r"step 5: mean response length over the latest 3 rollouts 12.67 is 0.633 times"
+    with pytest.raises(CollapseError, match=message) as error:
         guard.check(monitors(length=10.0), step=5, initial_policy=False)  # (12 + 16 + 10) / 3
     assert error.value.bound == "min_length_ratio"
     with pytest.raises(CollapseError, match="min_length_ratio"):  # window 1 (the default): the rollout alone

@@ -52,13 +52,23 @@ def check_kl(kl: float, max_kl: float | None, step: int) -> None:
 
 
 def check_length_ratio(
-    length: float, start_length: float, min_ratio: float | None, max_ratio: float | None, step: int
+    length: float,
+    start_length: float,
+    min_ratio: float | None,
+    max_ratio: float | None,
+    step: int,
+    rollouts: int = 1,
 ) -> None:
     """Mean response length over the initial policy's must stay within [`min_ratio`, `max_ratio`] (None:
     that side open): the band the promotion gate holds the evaluation replies to, so a run that learns to
-    answer shorter stops before it hands on a policy the gate would refuse."""
+    answer shorter stops before it hands on a policy the gate would refuse. `rollouts` is how many of the
+    latest rollouts `length` averages, named in the message so a stop is read against the right window."""
     ratio = length / start_length
-    detail = f"mean response length {length:.4g} is {ratio:.3g} times the initial policy's {start_length:.4g}"
+    window = f" over the latest {rollouts} rollouts" if rollouts > 1 else ""
+    detail = (
+        f"mean response length{window} {length:.4g} is {ratio:.3g} times "
+        f"the initial policy's {start_length:.4g}"
+    )
     if min_ratio is not None and ratio < min_ratio:
         raise CollapseError("min_length_ratio", step, f"{detail}, below min_length_ratio {min_ratio:g}")
     if max_ratio is not None and ratio > max_ratio:
@@ -114,6 +124,7 @@ class CollapseGuard:
             self.bounds.min_length_ratio,
             self.bounds.max_length_ratio,
             step,
+            rollouts=len(self.recent_lengths),
         )
         check_perplexity_drop(
             metrics[PERPLEXITY_METRIC], self.start_perplexity, self.bounds.max_perplexity_drop, step
