@@ -24,6 +24,7 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.generation import generate_replies
 from rlhf_core.evaluation.prompts import evaluation_prompts
+from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.params, overlays=args.config)
     settings = config.evaluation.generation
     prompts = [prompt.prompt for prompt in evaluation_prompts(args.run / "data", args.prompts)]
-    model, tokenizer = load_causal_lm(args.run / "sft" / "model", dtype=torch.float32, device=torch.device("cpu"))
+    dtype = DTYPES[config.model.dtype]  # as the evaluation loads it (rlhf_core/stages/evaluate.py)
+    model, tokenizer = load_causal_lm(args.run / "sft" / "model", dtype=dtype, device=torch.device("cpu"))
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     seconds: dict[int, list[float]] = {size: [] for size in sizes}
     lengths: dict[int, list[int]] = {size: [] for size in sizes}
