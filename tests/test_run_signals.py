@@ -25,6 +25,7 @@ import pytest
 from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.processes import group_processes
 
 from tasks.outputs import COMPLETE_MARKER, directory_sha256
 
@@ -61,19 +62,6 @@ def project_env(project: Path) -> dict[str, str]:
         "PYTHONPATH": str(ROOT),
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
     }
-
-
-def group_processes(group: int) -> list[str]:
-    """The command lines of the processes in process group `group`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == group:
-                    found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except (ProcessLookupError, FileNotFoundError):
-                pass  # ended while we looked
-    return found
 
 
 def listening_ports() -> set[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.paths import ROOT
+from fixtures.processes import group_processes
 
 from flows.stop_signals import with_deadline
 from rlhf_cli.in_process import TEMPORARY_SERVER_SETTINGS
@@ -30,6 +31,7 @@ FLOW_WITH_A_TASK_IN_A_THREAD = """
 import time
 from prefect import flow, task
 from rlhf_cli.in_process import stop_in_order
+from rlhf_cli.temporary_server import register_temporary_server
 
 @task
 def trains_on():
@@ -40,7 +42,7 @@ def trains_on():
 def one_task_in_a_thread():
     trains_on.submit().wait()
 
-with stop_in_order(None):
+with stop_in_order(register_temporary_server()):  # as `rlhf run` does (rlhf_cli/in_process.py)
     one_task_in_a_thread()
 """
 
@@ -79,14 +81,18 @@ def test_without_a_python_handler_sigint_interrupts_and_sigterm_exits(signal_num
 
 
 def python(script: str, tmp_path: Path) -> subprocess.Popen:
-    """`script` in a Python process of its own, with a PREFECT_HOME of its own (and the temporary server's
-    settings `rlhf run` gives it); stdout piped, stderr to `tmp_path/stderr.log` (a pipe could fill and stop it)."""
+    """`script` in a Python process of its own, in a process group of its own (which Prefect's temporary
+    server joins), with a PREFECT_HOME of its own (and the temporary server's settings `rlhf run` gives it);
+    stdout piped, stderr to `tmp_path/stderr.log` (a pipe could fill and stop it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
     env |= TEMPORARY_SERVER_SETTINGS | {
         "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONUNBUFFERED": "1"
     }  # fmt: skip
     with (tmp_path / "stderr.log").open("w") as stderr:
-        return subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", script],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+        )  # fmt: skip
 
 
 @pytest.mark.slow  # a Python process
@@ -112,3 +118,4 @@ def test_sigterm_while_a_task_trains_in_a_thread_stops_the_command_within_10_s(t
         pytest.fail(f"still running {STOP_DEADLINE_S} s after SIGTERM, its task thread training on")
     assert process.returncode == 128 + signal.SIGTERM
     assert "rlhf: stopped" in (tmp_path / "stderr.log").read_text()
+    assert group_processes(process.pid) == []  # the temporary server too (it once stayed, re-parented to PID 1)
