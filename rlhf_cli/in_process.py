@@ -184,6 +184,7 @@ def stop_now(server: SubprocessASGIServer | None, signal_number: int) -> NoRetur
     process = server.server_process if server is not None else None
     if process is not None:
         process.kill()
+        process.wait()  # SIGKILL cannot be caught: gone, and reaped, before this process exits
     print(
         f"rlhf: stopped {STOP_GRACE_S:g} s after {signal_name(signal_number)} without finishing the orderly stop: "
         "the temporary Prefect server killed, the flow run may not be marked",
