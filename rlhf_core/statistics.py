@@ -14,6 +14,8 @@
   gives each verdict.
 - `spearman`: the rank correlation of a judge's scores with reply length; a reward model that pays for
   length (or for brevity) shows it here whatever the replies say (issue 27).
+- `length_slope`: the least-squares slope of scores on log(1 + reply tokens), which the `length_residual`
+  settings subtract (docs/length-debias.md).
 
 All functions are pure; the bootstrap is seeded.
 """
@@ -175,3 +177,14 @@ def spearman(first: Sequence[float] | np.ndarray, second: Sequence[float] | np.n
     rank_x, rank_y = average_ranks(x) - (x.size + 1) / 2, average_ranks(y) - (x.size + 1) / 2
     denominator = math.sqrt(float(rank_x @ rank_x) * float(rank_y @ rank_y))
     return None if denominator == 0 else float(rank_x @ rank_y) / denominator
+
+
+def length_slope(scores: np.ndarray, reply_tokens: np.ndarray) -> float:
+    """The `length_residual` slope: least-squares b in score ~ a + b * log(1 + tokens) over replies [N].
+
+    0 when the lengths do not vary (no slope can be told apart from the intercept)."""
+    log_length = np.log1p(np.asarray(reply_tokens, dtype=np.float64))
+    if np.ptp(log_length) == 0.0:
+        return 0.0
+    centred = log_length - log_length.mean()
+    return float(centred @ (np.asarray(scores, dtype=np.float64) - np.mean(scores)) / (centred @ centred))

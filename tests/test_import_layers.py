@@ -28,7 +28,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "ablation": {"stages", "ppo", "config", "atomic", "layout"},
     "stages": {
         "evaluation", "ppo", "reward", "sft", "training", "data", "models", "distributed", "config",
-        "atomic", "layout", "output_lock", "progress",
+        "atomic", "layout", "output_lock", "progress", "statistics",
     },
     "evaluation": {
         "reward", "rollout", "sft", "data", "models", "config", "atomic", "layout", "progress", "statistics",

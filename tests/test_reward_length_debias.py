@@ -21,7 +21,6 @@ from rlhf_core.reward.length_debias import (
     LengthTerm,
     OdinLengthHead,
     length_balanced_indices,
-    length_slope,
     logit_scores,
     odin_penalty,
     pearson,
@@ -30,6 +29,7 @@ from rlhf_core.data.prepare import load_split
 from rlhf_core.reward.scoring import PairOutputs, SideOutputs, score_pair_batches
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import encode_reward_pairs, run_train_rm, scored_reply_tokens, validation_batches
+from rlhf_core.statistics import length_slope
 
 
 def test_pearson_matches_numpy_and_is_zero_for_a_constant() -> None:

@@ -28,6 +28,7 @@ from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import ExperienceMaker, PPOModels
 from rlhf_core.ppo.guard import CollapseError, CollapseGuard
 from rlhf_core.ppo.learner import make_learner
+from rlhf_core.ppo.length_residual import fit_length_residual, reward_model_of
 from rlhf_core.ppo.monitors import Metrics, SampleTable, sample_rows
 from rlhf_core.ppo.ptx import PtxStream
 from rlhf_core.ppo.selection import Selection, ValidationRecord
@@ -113,6 +114,7 @@ class PPOTrainer:
         )
         self.validator = Validator(self.maker, data.val_prompts, data.val_prompt_ids, config, seed, self.context)
         self.guard = CollapseGuard(config.guard)
+        self.length_residual_slope: float | None = None  # fitted by `fit_length_residual` (ppo.length_residual)
 
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.bf16)
@@ -151,6 +153,13 @@ class PPOTrainer:
             self.critic_pretraining.record(step, metrics["loss/value"])
         return metrics
 
+    def fit_length_residual(self) -> float:
+        """`ppo.length_residual`: fit the reward's slope on log reply length over the initial policy's
+        replies to the held-out prompts and subtract it from every score of the run (length_residual.py)."""
+        scores, mask = self.validator.reply_scores()
+        self.length_residual_slope = fit_length_residual(self.models.scorer, scores, mask)
+        return self.length_residual_slope
+
     # ---- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,6 +170,7 @@ class PPOTrainer:
             "guard": self.guard.state_dict(),
             "ptx_steps_used": self.ptx.steps_used if self.ptx is not None else 0,
             **self.critic_pretraining.state_dict(),
+            "length_residual_slope": self.length_residual_slope,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -170,6 +180,10 @@ class PPOTrainer:
         if self.ptx is not None:
             self.ptx.steps_used = int(state["ptx_steps_used"])
         self.critic_pretraining.load_state_dict(state)
+        slope = state.get("length_residual_slope")
+        if slope is not None and self.length_residual_slope is None:  # the reward model is as loaded: add it once
+            reward_model_of(self.models.scorer).length_slope += slope
+        self.length_residual_slope = slope
 
     def save_checkpoint(self, root: Path, step: int, metrics: Metrics) -> Path:
         """Policy + critic weights, optimizer, scheduler, RNG states and `state_dict`, atomically."""
@@ -231,15 +245,19 @@ def _start(
     trainer: PPOTrainer, root: Path, logger: MetricsLogger, samples: SampleTable | None
 ) -> TrainingState:
     """Seed, resume from the newest checkpoint under `root` (the logs rewound to it) and, on a fresh run,
-    validate the initial policy at step 0; returns the state resumed."""
+    fit `ppo.length_residual`'s slope (when on) and validate the initial policy at step 0; returns the
+    state resumed."""
     # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
     seed_everything(trainer.seed + trainer.context.rank)
     state = trainer.resume(root)
     _rewind(logger, samples, state.step if state.step > 0 else -1)
     if state.step == 0:
+        fitted = {}
+        if trainer.config.length_residual:
+            fitted["reward/length_residual_slope"] = trainer.fit_length_residual()
         validation, rewards = trainer.validator.validate()
         trainer.validator.record(0, validation, rewards, root)
-        logger.log_metrics({**validation, "progress": 0.0}, 0)
+        logger.log_metrics({**validation, **fitted, "progress": 0.0}, 0)
     return state
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -25,11 +25,12 @@ from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.zero import gathered_parameters
 from rlhf_core.models.chat import Messages, encode_prompt
 from rlhf_core.models.saving import save_causal_lm
-from rlhf_core.ppo.experience_maker import ExperienceMaker
+from rlhf_core.ppo.experience_maker import Batch, ExperienceMaker
 from rlhf_core.ppo.monitors import Metrics, validation_monitors
 from rlhf_core.ppo.recipe import penalize_unfinished
 from rlhf_core.ppo.scoring import chunks
 from rlhf_core.ppo.selection import Selection, ValidationRecord, select_policy
+from rlhf_core.ppo.sequences import TrunkStates
 from rlhf_core.rollout.generation import left_pad
 
 BEST_DIR = "best"
@@ -84,6 +85,30 @@ class Validator:
         device = self.maker.device
         return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
+    def replies(self) -> Iterator[tuple[Batch, Batch, Tensor, TrunkStates | None]]:
+        """The current policy's reply to every held-out prompt, a rollout batch at a time, each batch from
+        its own fixed seed: ``(prompt, response, finished, trunk states)``."""
+        maker = self.maker
+        with self._fixed_rng():
+            for index, rows in enumerate(chunks(len(self.prompt_tokens), self.config.rollout_batch_size)):
+                torch.manual_seed(self.seed + index)
+                prompt = left_pad(self.prompt_tokens[rows], maker.pad_id, maker.device)
+                response_ids, mask, finished = maker.sample(prompt)
+                response = (response_ids, mask)
+                yield prompt, response, finished, maker.trunk_states(prompt, response)
+
+    @torch.no_grad()
+    def reply_scores(self) -> tuple[Tensor, Tensor]:
+        """The scorer's scores ``[N]`` of the current policy's replies to the held-out prompts and their
+        response masks ``[N, T]``: the replies `validate` samples, without its other passes."""
+        maker = self.maker
+        scores, masks = [], []
+        for prompt, response, _, trunk in self.replies():
+            scores.append(maker.scores(prompt, response, maker.trunk_for("reward_model", trunk)))
+            masks.append(response[1])
+        width = max(mask.shape[1] for mask in masks)
+        return torch.cat(scores), torch.cat([_pad_columns(mask, width) for mask in masks])
+
     @torch.no_grad()
     def validate(self) -> tuple[Metrics, list[float]]:
         """Monitors on the held-out prompts (`val/...`) and the reward of each prompt.
@@ -94,20 +119,14 @@ class Validator:
         started = time.perf_counter()
         maker, models = self.maker, self.maker.models
         parts: dict[str, list[Tensor]] = defaultdict(list)
-        with self._fixed_rng():
-            for index, rows in enumerate(chunks(len(self.prompt_tokens), self.config.rollout_batch_size)):
-                torch.manual_seed(self.seed + index)
-                prompt = left_pad(self.prompt_tokens[rows], maker.pad_id, maker.device)
-                response_ids, mask, finished = maker.sample(prompt)
-                response = (response_ids, mask)
-                trunk = maker.trunk_states(prompt, response)
-                parts["logprobs"].append(maker.logprobs(models.policy, prompt, response, trunk))
-                parts["ref_logprobs"].append(
-                    maker.logprobs(models.reference, prompt, response, maker.trunk_for("reference", trunk))
-                )
-                parts["scores"].append(maker.scores(prompt, response, maker.trunk_for("reward_model", trunk)))
-                parts["finished"].append(finished)
-                parts["mask"].append(mask)
+        for prompt, response, finished, trunk in self.replies():
+            parts["logprobs"].append(maker.logprobs(models.policy, prompt, response, trunk))
+            parts["ref_logprobs"].append(
+                maker.logprobs(models.reference, prompt, response, maker.trunk_for("reference", trunk))
+            )
+            parts["scores"].append(maker.scores(prompt, response, maker.trunk_for("reward_model", trunk)))
+            parts["finished"].append(finished)
+            parts["mask"].append(response[1])
         width = max(mask.shape[1] for mask in parts["mask"])
         scores, finished = torch.cat(parts["scores"]), torch.cat(parts["finished"])
         rewards = penalize_unfinished(scores, finished, self.config.unfinished_penalty)

@@ -41,17 +41,6 @@ from rlhf_core.config.training import LengthDebias
 from rlhf_core.reward.batch import EncodedPairs, pair_reply_tokens
 from rlhf_core.reward.scoring import PairOutputs, SideOutputs
 
-def length_slope(scores: np.ndarray, reply_tokens: np.ndarray) -> float:
-    """The `length_residual` slope: least-squares b in score ~ a + b * log(1 + tokens) over replies [N].
-
-    0 when the lengths do not vary (no slope can be told apart from the intercept)."""
-    log_length = np.log1p(np.asarray(reply_tokens, dtype=np.float64))
-    if np.ptp(log_length) == 0.0:
-        return 0.0
-    centred = log_length - log_length.mean()
-    return float(centred @ (np.asarray(scores, dtype=np.float64) - np.mean(scores)) / (centred @ centred))
-
-
 BALANCE_BINS = 5  # quantile bins of |len_chosen - len_rejected| in which `balanced` equalises the labels
 
 

@@ -182,6 +182,8 @@ def stage_metrics(
         started = [row for row in critic_rows if row["step"] > result.critic_pretrain_steps]
         if started:
             metrics["critic/explained_variance_pretrained"] = started[0]["values/explained_variance"]
+    if "reward/length_residual_slope" in initial_row:  # ppo.length_residual: the slope taken out of every score
+        metrics["length_residual_slope"] = initial_row["reward/length_residual_slope"]
     first_rollout = next((row for row in history if row["step"] == 1), {})
     if "reward/length_spearman" in first_rollout:  # the SFT policy's replies, before any update
         metrics["reward_length_spearman_sft"] = first_rollout["reward/length_spearman"]

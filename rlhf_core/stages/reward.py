@@ -58,7 +58,6 @@ from rlhf_core.reward.batch import (
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
 from rlhf_core.reward.length_debias import (
     length_balanced_pairs,
-    length_slope,
     logit_scores,
     new_length_head,
     odin_penalty,
@@ -87,6 +86,7 @@ from rlhf_core.stages.training_run import (
     stage_settings,
     training_device,
 )
+from rlhf_core.statistics import length_slope
 from rlhf_core.training.batching import BatchPlan, batch_plan
 from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import TrainResult, total_steps, train
