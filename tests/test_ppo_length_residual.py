@@ -18,8 +18,7 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience_maker import PPOModels
-from rlhf_core.ppo.length_residual import fit_length_residual
-from rlhf_core.ppo.scoring import RewardModelScorer
+from rlhf_core.ppo.scoring import RewardModelScorer, fit_length_residual
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
 from rlhf_core.rollout.engine import Generation
 from rlhf_core.stages.ppo import load_ppo_data, load_ppo_models, read_history, run_ppo

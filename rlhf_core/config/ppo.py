@@ -143,7 +143,7 @@ class PPOConfig(Section):
     length_residual: bool = Field(
         False,
         description="Subtract from every score the reward's least-squares slope on log(1 + reply tokens), "
-        "fitted on the initial policy's replies to the held-out prompts (rlhf_core/ppo/length_residual.py).",
+        "fitted on the initial policy's replies to the held-out prompts (rlhf_core/ppo/scoring.py).",
     )
     max_prompt_tokens: int = Field(256, gt=0, description="Prompts are cut from the left to this many tokens.")
     trainable_top_layers: int | None = Field(

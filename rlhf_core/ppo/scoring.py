@@ -16,6 +16,9 @@ alone (the prompt's logits would cost ``P / T`` times more memory and time for n
 use the sampling temperature: the importance ratio and the KL to the reference must be measured on
 the distribution that generated the data (rlhf_core/rollout/generation.py says when that distribution
 is the tempered policy itself).
+
+`ppo.length_residual` (`fit_length_residual`, at the end) takes the reward model's pay for reply length on
+the initial policy's replies out of every score.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers import PreTrainedModel
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.ppo.losses import at_least_float32, entropy_from_logits, logprobs_from_logits, tempered
 from rlhf_core.ppo.sequences import TrunkStates, joined_hidden_states, joined_sequence
+from rlhf_core.statistics import length_slope
 
 
 class Scorer(Protocol):
@@ -150,3 +154,41 @@ def response_values(
     hidden = joined_hidden_states(critic.backbone, joined, trunk)
     values = at_least_float32(critic.values_from_hidden(hidden)[:, width - 1 : width + length - 1])
     return _pad_to(torch.where(response_mask[:, :length].bool(), values, 0.0), response_ids.shape[1])
+
+
+# ---- ppo.length_residual ---------------------------------------------------------------------------
+# The reward model's score falls with reply length on the SFT policy's samples (docs/length-debias.md), so
+# PPO learns to answer shorter. `reward.length_debias: length_residual` removes a slope fitted on the human
+# training replies, which are not the replies PPO scores; `ppo.length_residual` fits it on the replies PPO
+# starts from: before the run the initial policy answers the held-out validation prompts (the validator's
+# fixed-seed sampling), and the least-squares slope of score on log(1 + reply tokens) is added to the
+# reward model's `length_slope`, which every score of the run (rollouts and validations) then subtracts
+# (`RewardModel.scores_at_ends`). How two replies of equal length rank is unchanged. The first rollout's
+# `reward/length_spearman` (the stage's `reward_length_spearman_sft`) checks it out of sample.
+
+
+def scored_reply_tokens(response_mask: Tensor) -> Tensor:
+    """The reply length ``[B]`` the reward model's length slope is applied to, from the rollout's response
+    mask ``[B, T]``: the position of the token it reads (the end-of-turn token, or the last token of a
+    cut reply) counted from the reply's start, i.e. the real tokens less one (`chat.reply_end_positions`)."""
+    return response_mask.sum(dim=1) - 1
+
+
+def fit_length_residual(scorer: Scorer, scores: Tensor, response_mask: Tensor) -> float:
+    """Fit the slope of `scores` ``[B]`` (the scorer's scores of some replies) on their log length and add
+    it to the reward model's `length_slope`, so that its scores of these replies no longer follow log
+    length; returns the slope added."""
+    reward_model = reward_model_of(scorer)
+    lengths = scored_reply_tokens(response_mask)
+    slope = length_slope(scores.double().cpu().numpy(), lengths.cpu().numpy())
+    reward_model.length_slope += slope
+    return slope
+
+
+def reward_model_of(scorer: Scorer) -> RewardModel:
+    """The reward model behind `scorer`; a clear error for a scorer without one (a rule in tests)."""
+    if not isinstance(scorer, RewardModelScorer):
+        raise ValueError(
+            f"ppo.length_residual needs a reward model to score the replies, got a {type(scorer).__name__}"
+        )
+    return scorer.reward_model

@@ -28,9 +28,9 @@ from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.experience_maker import ExperienceMaker, PPOModels
 from rlhf_core.ppo.guard import CollapseError, CollapseGuard
 from rlhf_core.ppo.learner import make_learner
-from rlhf_core.ppo.length_residual import fit_length_residual, reward_model_of
 from rlhf_core.ppo.monitors import Metrics, SampleTable, sample_rows
 from rlhf_core.ppo.ptx import PtxStream
+from rlhf_core.ppo.scoring import fit_length_residual, reward_model_of
 from rlhf_core.ppo.selection import Selection, ValidationRecord
 from rlhf_core.ppo.update import PPOUpdate
 from rlhf_core.ppo.validation import Validator
@@ -155,7 +155,7 @@ class PPOTrainer:
 
     def fit_length_residual(self) -> float:
         """`ppo.length_residual`: fit the reward's slope on log reply length over the initial policy's
-        replies to the held-out prompts and subtract it from every score of the run (length_residual.py)."""
+        replies to the held-out prompts and subtract it from every score of the run (scoring.py)."""
         scores, mask = self.validator.reply_scores()
         self.length_residual_slope = fit_length_residual(self.models.scorer, scores, mask)
         return self.length_residual_slope
