@@ -90,9 +90,11 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     )
     assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
     assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr
-    for variant in plan.variants:  # of the preset's switches, only the KL coefficient is a lever here
-        expected = {"kl_coef": 0.05} if variant.name == "ppo_max-kl0.05" else {}
-        assert differences(variant, variant.spec.preset) == expected
+    assert by_name["ppo_max-epochs1"].ppo_epochs == 1 != base.ppo_epochs
+    assert by_name["ppo_max-critic_sft"].critic_init == "sft" != base.critic_init
+    preset_levers = {"ppo_max-kl0.05": {"kl_coef": 0.05}, "ppo_max-critic_sft": {"critic_init": "sft"}}
+    for variant in plan.variants:  # of the preset's switches, only these two are levers here
+        assert differences(variant, variant.spec.preset) == preset_levers.get(variant.name, {})
 
 
 def test_base_switches_refine_their_own_preset_and_are_dropped_for_another() -> None:
