@@ -106,6 +106,8 @@ class VariedEngine:
 
     def __init__(self, eot: int) -> None:
         self.eot = eot
+        self.batches = 0  # generate calls: the sampling work done
+
 
     def sync_weights(self, policy: object) -> None:
         pass
@@ -113,6 +115,7 @@ class VariedEngine:
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: object, seed: int | None = None
     ) -> Generation:
+        self.batches += 1
         batch, width = prompt_ids.shape[0], 10
         lengths = torch.randint(1, width + 1, (batch,))
         finished = torch.rand(batch) < 0.5
@@ -128,7 +131,7 @@ def tiny_reward_model(tokenizer: PreTrainedTokenizerBase) -> RewardModel:
     return reward_model.requires_grad_(False)
 
 
-def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -> PPOTrainer:
+def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -> tuple[PPOTrainer, VariedEngine]:
     """Critic pretraining and one PPO iteration on tiny models with `VariedEngine`, logged to `out`."""
     config = tiny_config("ppo.steps=1", "ppo.critic_pretrain_steps=1", "ppo.eval_every=1", *overrides).ppo
     models = PPOModels(
@@ -141,16 +144,19 @@ def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -
     engine = VariedEngine(end_of_turn_id(tokenizer))
     trainer = PPOTrainer(models, tokenizer, PPOData(prompts, prompts[:8]), config, seed=0, engine=engine)
     fit(trainer, out / "checkpoints", JsonlLogger(out / "history.jsonl"))
-    return trainer
+    return trainer, engine
 
 
 @pytest.mark.slow  # the checkpoint save imports DeepSpeed, which runs `uname`
 def test_the_trainer_fits_the_slope_on_the_initial_replies_and_leaves_the_sampling_alone(
     tokenizer: PreTrainedTokenizerBase, tmp_path: Path
 ) -> None:
-    trainer = engine_run(tokenizer, tmp_path / "debiased", "ppo.length_residual=true")
+    trainer, engine = engine_run(tokenizer, tmp_path / "debiased", "ppo.length_residual=true")
     slope = trainer.length_residual_slope
-    engine_run(tokenizer, tmp_path / "plain")
+    _, plain_engine = engine_run(tokenizer, tmp_path / "plain")
+    # The slope is fitted on the step-0 validation's replies, sampled once: the run generates no more
+    # batches than without the fit.
+    assert engine.batches == plain_engine.batches
     rows, plain = history(tmp_path / "debiased"), history(tmp_path / "plain")
 
     # The validation replies (the engine is blind to the policy: the step-0 ones again), scored by the
@@ -166,6 +172,8 @@ def test_the_trainer_fits_the_slope_on_the_initial_replies_and_leaves_the_sampli
     assert slope == rows[0]["reward/length_residual_slope"] != 0.0
     assert slope == pytest.approx(least_squares_slope(np.array(raw), log_length), rel=1e-5)
     np.testing.assert_allclose(debiased, np.array(raw) - slope * log_length, atol=1e-5)
+    # The step-0 validation reports the debiased scores of the very replies the slope was fitted on.
+    assert rows[0]["val/score"] == pytest.approx(np.mean(debiased), abs=1e-5)
     # The fit samples under the validator's own fixed seeds: validation and the first rollout draw the
     # same replies as without it; what the reward model says of them differs.
     assert rows[0]["val/length"] == plain[0]["val/length"]
@@ -181,7 +189,8 @@ def test_a_resumed_trainer_scores_with_the_fitted_slope(inputs: StageInputs) -> 
         models, tokenizer = load_ppo_models(config, inputs.sft_dir, inputs.rm_dir, torch.device("cpu"))
         trainers.append(PPOTrainer(models, tokenizer, data, config.ppo, seed=0))
     fitted, resumed = trainers
-    slope = fitted.fit_length_residual()
+    fitted.fit_length_residual(fitted.validator.sample())
+    slope = fitted.length_residual_slope
     loaded_slope = resumed.models.scorer.reward_model.length_slope
 
     resumed.load_state_dict(json.loads(json.dumps(fitted.state_dict())))  # as a checkpoint stores it

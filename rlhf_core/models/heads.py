@@ -159,10 +159,15 @@ class RewardModel(nn.Module):
     def scores_at_ends(self, end_hidden: Tensor, reply_tokens: Tensor) -> Tensor:
         """r(x, y) [B] from the final hidden state at each reply's end [B, H] and the reply's length in
         tokens [B]: the score head, less the length slope's share (0 unless `length_residual`)."""
-        scores = self.score_head(end_hidden).squeeze(-1)
-        if self.length_slope == 0.0:
-            return scores
-        return scores - self.length_slope * torch.log1p(reply_tokens.to(scores.dtype))
+        return less_length_share(self.score_head(end_hidden).squeeze(-1), reply_tokens, self.length_slope)
+
+
+def less_length_share(scores: Tensor, reply_tokens: Tensor, slope: float) -> Tensor:
+    """`scores` [B] less `slope` times log(1 + `reply_tokens` [B]): a length slope's share taken out
+    (`length_residual`, docs/length-debias.md)."""
+    if slope == 0.0:
+        return scores
+    return scores - slope * torch.log1p(reply_tokens.to(scores.dtype))
 
 
 class Critic(nn.Module):

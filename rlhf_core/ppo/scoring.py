@@ -160,9 +160,9 @@ def response_values(
 # The reward model's score falls with reply length on the SFT policy's samples (docs/length-debias.md), so
 # PPO learns to answer shorter. `reward.length_debias: length_residual` removes a slope fitted on the human
 # training replies, which are not the replies PPO scores; `ppo.length_residual` fits it on the replies PPO
-# starts from: before the run the initial policy answers the held-out validation prompts (the validator's
-# fixed-seed sampling), and the least-squares slope of score on log(1 + reply tokens) is added to the
-# reward model's `length_slope`, which every score of the run (rollouts and validations) then subtracts
+# starts from: the initial policy's replies to the held-out prompts at the step-0 validation (the
+# validator's fixed-seed sampling, read once), and the least-squares slope of score on log(1 + reply tokens)
+# is added to the reward model's `length_slope`, which every later score of the run then subtracts
 # (`RewardModel.scores_at_ends`). How two replies of equal length rank is unchanged. The first rollout's
 # `reward/length_spearman` (the stage's `reward_length_spearman_sft`) checks it out of sample.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.config import DistributedConfig, PPOConfig
 from rlhf_core.distributed.context import rank_context
 from rlhf_core.models.chat import Messages
+from rlhf_core.models.heads import less_length_share
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.ppo.critic import CriticPretraining
 from rlhf_core.ppo.experience import Experience
@@ -30,10 +31,10 @@ from rlhf_core.ppo.guard import CollapseError, CollapseGuard
 from rlhf_core.ppo.learner import make_learner
 from rlhf_core.ppo.monitors import Metrics, SampleTable, sample_rows
 from rlhf_core.ppo.ptx import PtxStream
-from rlhf_core.ppo.scoring import fit_length_residual, reward_model_of
+from rlhf_core.ppo.scoring import fit_length_residual, reward_model_of, scored_reply_tokens
 from rlhf_core.ppo.selection import Selection, ValidationRecord
 from rlhf_core.ppo.update import PPOUpdate
-from rlhf_core.ppo.validation import Validator
+from rlhf_core.ppo.validation import ValidationReplies, Validator
 from rlhf_core.progress import bars_enabled
 from rlhf_core.rollout.engine import RolloutEngine
 from rlhf_core.training.checkpoint import TrainingState, latest_checkpoint
@@ -153,12 +154,13 @@ class PPOTrainer:
             self.critic_pretraining.record(step, metrics["loss/value"])
         return metrics
 
-    def fit_length_residual(self) -> float:
+    def fit_length_residual(self, replies: ValidationReplies) -> ValidationReplies:
         """`ppo.length_residual`: fit the reward's slope on log reply length over the initial policy's
-        replies to the held-out prompts and subtract it from every score of the run (scoring.py)."""
-        scores, mask = self.validator.reply_scores()
-        self.length_residual_slope = fit_length_residual(self.models.scorer, scores, mask)
-        return self.length_residual_slope
+        replies to the held-out prompts and subtract it from every score of the run (scoring.py);
+        returns `replies` scored as the rest of the run scores, without scoring them again."""
+        slope = fit_length_residual(self.models.scorer, replies.scores, replies.mask)
+        self.length_residual_slope = slope
+        return replace(replies, scores=less_length_share(replies.scores, scored_reply_tokens(replies.mask), slope))
 
     # ---- state -----------------------------------------------------------------------------------
 
@@ -252,10 +254,11 @@ def _start(
     state = trainer.resume(root)
     _rewind(logger, samples, state.step if state.step > 0 else -1)
     if state.step == 0:
-        fitted = {}
+        replies, fitted = trainer.validator.sample(), {}
         if trainer.config.length_residual:
-            fitted["reward/length_residual_slope"] = trainer.fit_length_residual()
-        validation, rewards = trainer.validator.validate()
+            replies = trainer.fit_length_residual(replies)
+            fitted["reward/length_residual_slope"] = trainer.length_residual_slope
+        validation, rewards = trainer.validator.validate(replies)
         trainer.validator.record(0, validation, rewards, root)
         logger.log_metrics({**validation, **fitted, "progress": 0.0}, 0)
     return state

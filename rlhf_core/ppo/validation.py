@@ -1,9 +1,10 @@
 """Validation on the held-out PPO prompts and the choice of the output policy (paper 5.2).
 
-`Validator.validate` samples one response per held-out prompt with the rollout settings, each batch of
-prompts from its own fixed seed, so successive validations differ only by the policy, prompt by prompt
-(paired), and training's random stream is not consumed. Each validated policy is saved; at the end of the
-run `select` applies `selection.select_policy` and installs the chosen one as `<root>/best/`.
+`Validator.sample` draws one response per held-out prompt with the rollout settings, each batch of
+prompts from its own fixed seed, and `validate` reads the monitors off them: successive validations
+differ only by the policy, prompt by prompt (paired), and training's random stream is not consumed. Each
+validated policy is saved; at the end of the run `select` applies `selection.select_policy` and installs
+the chosen one as `<root>/best/`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +47,20 @@ def validated_dir(root: Path, step: int) -> Path:
 def _pad_columns(tensor: Tensor, width: int) -> Tensor:
     """Right-pad a ``[B, T]`` tensor with zeros to ``[B, width]``."""
     return F.pad(tensor, (0, width - tensor.shape[1]))
+
+
+@dataclass(frozen=True)
+class ValidationReplies:
+    """One reply per held-out prompt, in the validator's prompt order: the reward model's scores and the
+    finished flags ``[N]``, the policy's and the reference's log-probabilities and the response mask
+    ``[N, T]``, and the seconds the sampling and scoring took."""
+
+    scores: Tensor
+    finished: Tensor
+    logprobs: Tensor
+    ref_logprobs: Tensor
+    mask: Tensor
+    seconds: float
 
 
 class Validator:
@@ -98,24 +114,8 @@ class Validator:
                 yield prompt, response, finished, maker.trunk_states(prompt, response)
 
     @torch.no_grad()
-    def reply_scores(self) -> tuple[Tensor, Tensor]:
-        """The scorer's scores ``[N]`` of the current policy's replies to the held-out prompts and their
-        response masks ``[N, T]``: the replies `validate` samples, without its other passes."""
-        maker = self.maker
-        scores, masks = [], []
-        for prompt, response, _, trunk in self.replies():
-            scores.append(maker.scores(prompt, response, maker.trunk_for("reward_model", trunk)))
-            masks.append(response[1])
-        width = max(mask.shape[1] for mask in masks)
-        return torch.cat(scores), torch.cat([_pad_columns(mask, width) for mask in masks])
-
-    @torch.no_grad()
-    def validate(self) -> tuple[Metrics, list[float]]:
-        """Monitors on the held-out prompts (`val/...`) and the reward of each prompt.
-
-        A prompt's reward is what training optimises, less the KL term: the reward model's score plus
-        `unfinished_penalty` when the response was cut.
-        """
+    def sample(self) -> ValidationReplies:
+        """The current policy's replies to the held-out prompts with what the monitors read of them."""
         started = time.perf_counter()
         maker, models = self.maker, self.maker.models
         parts: dict[str, list[Tensor]] = defaultdict(list)
@@ -128,17 +128,33 @@ class Validator:
             parts["finished"].append(finished)
             parts["mask"].append(response[1])
         width = max(mask.shape[1] for mask in parts["mask"])
-        scores, finished = torch.cat(parts["scores"]), torch.cat(parts["finished"])
-        rewards = penalize_unfinished(scores, finished, self.config.unfinished_penalty)
-        metrics = validation_monitors(
-            rewards=rewards,
-            scores=scores,
-            finished=finished,
+        return ValidationReplies(
+            scores=torch.cat(parts["scores"]),
+            finished=torch.cat(parts["finished"]),
             logprobs=torch.cat([_pad_columns(t, width) for t in parts["logprobs"]]),
             ref_logprobs=torch.cat([_pad_columns(t, width) for t in parts["ref_logprobs"]]),
             mask=torch.cat([_pad_columns(t, width) for t in parts["mask"]]),
+            seconds=time.perf_counter() - started,
         )
-        return {**metrics, "time/validate_s": time.perf_counter() - started}, rewards.tolist()
+
+    def validate(self, replies: ValidationReplies | None = None) -> tuple[Metrics, list[float]]:
+        """Monitors on the held-out prompts (`val/...`) and the reward of each prompt, of `replies` or,
+        by default, of a fresh `sample`.
+
+        A prompt's reward is what training optimises, less the KL term: the reward model's score plus
+        `unfinished_penalty` when the response was cut.
+        """
+        replies = replies if replies is not None else self.sample()
+        rewards = penalize_unfinished(replies.scores, replies.finished, self.config.unfinished_penalty)
+        metrics = validation_monitors(
+            rewards=rewards,
+            scores=replies.scores,
+            finished=replies.finished,
+            logprobs=replies.logprobs,
+            ref_logprobs=replies.ref_logprobs,
+            mask=replies.mask,
+        )
+        return {**metrics, "time/validate_s": replies.seconds}, rewards.tolist()
 
     def record(self, step: int, validation: Metrics, rewards: list[float], root: Path) -> None:
         """Keep this validation's per-prompt rewards and save the policy to `root/validated/step-<step>`."""
