@@ -6,30 +6,11 @@ pip backtrack again: README.md, "Quickstart"); a pin outside its range would mak
 
 from __future__ import annotations
 
-import tomllib
-
-from fixtures.paths import ROOT
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from fixtures.dependencies import constraint_pins, project_requirements
+
 UNPINNED = {"torch"}  # the install command names its build (CPU or CUDA)
-
-
-def constraint_pins() -> dict[str, str]:
-    """{canonical name: version} of constraints.txt's `name==version` lines."""
-    pins: dict[str, str] = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, separator, version = line.partition("==")
-            assert separator, f"constraints.txt: {line!r} is not name==version"
-            pins[canonicalize_name(name)] = version.strip()
-    return pins
-
-
-def project_requirements() -> list[Requirement]:
-    """pyproject.toml's dependencies and its dev extra (what the README installs)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [Requirement(text) for text in [*project["dependencies"], *project["optional-dependencies"]["dev"]]]
 
 
 def test_every_dependency_is_pinned_within_its_range() -> None:
