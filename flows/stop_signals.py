@@ -7,7 +7,8 @@ stopped. An orderly stop waits on other processes (the Prefect API, a server's s
 command also starts a deadline at the first signal (`with_deadline`, or `deadline_after_stop_signal`
 where Prefect's flow engine may take the signal first): past it, the command stops what it started
 outright, says so in one line and exits. A stop that finishes in time leaves through
-`exit_without_teardown`, which skips the interpreter's slow teardown.
+`exit_without_teardown`, which skips the interpreter's slow teardown. A stop exception that Python swallowed
+(raised by the handler inside a destructor) sends its signal again (`redeliver_swallowed_stops`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from types import FrameType
 from typing import Any, NoReturn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+REDELIVERY_DELAY_S = 0.05  # for the main thread to have left the hook that resends a swallowed stop
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 
@@ -85,6 +88,36 @@ def deadline_after_stop_signal(grace_s: float, overrun: Callable[[int], Any]) ->
         os.close(write_fd)
         watcher.join()
         os.close(read_fd)
+
+
+@contextmanager
+def redeliver_swallowed_stops(on_swallowed: Callable[[], Any] = lambda: None) -> Iterator[None]:
+    """Within the block, a stop exception that Python swallowed sends its signal again.
+
+    A signal's Python handler runs wherever the main thread is at that moment. When that is a destructor or a
+    garbage collector's weakref callback (SQLAlchemy registers them), the exception it raises is printed as
+    "Exception ignored in ..." and dropped: the stop was lost, the command trained on, and `rlhf run` ended
+    at its deadline with the flow run still Running (seen in CI). Python hands every such exception to
+    `sys.unraisablehook`; here that hook calls `on_swallowed` (for a handler that ignores repeats) and has a
+    timer thread send the signal again REDELIVERY_DELAY_S later, so the handler raises once more where the
+    main thread has gone by then (sent from the hook itself, it raised inside the hook, dropped again)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        number = stop_signal(unraisable.exc_value) if unraisable.exc_value is not None else None
+        if number is None:
+            previous(unraisable)
+            return
+        on_swallowed()
+        resend = threading.Timer(REDELIVERY_DELAY_S, os.kill, args=(os.getpid(), number))
+        resend.daemon = True
+        resend.start()
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def exit_without_teardown(status: int) -> NoReturn:

@@ -23,7 +23,7 @@ An orderly stop: Prefect turns SIGTERM into an exception inside a flow run, mark
 then sends SIGTERM again to whatever handler was there before; with Python's default one the process
 died on the spot, without its exit handlers, and left the temporary server running, re-parented to
 PID 1 and listening on its port (issue 30). Here SIGINT and SIGTERM raise in the main thread from
-start to end (the flow logs the stage it stopped in, flows/pipeline.py); once Prefect has marked the
+start to end, again where Python swallowed the exception in a destructor (the flow logs the stage it stopped in, flows/pipeline.py); once Prefect has marked the
 flow run, the command sends the run's last log lines, stops the server, says in one line that it
 stopped and exits with 128 + the signal, all within STOP_GRACE_S of the signal, or else kills the
 server and exits (flows/stop_signals.py); that deadline starts at the signal even when Prefect's flow
@@ -49,6 +49,7 @@ from flows.stop_signals import (
     STOP_SIGNALS,
     deadline_after_stop_signal,
     exit_without_teardown,
+    redeliver_swallowed_stops,
     signal_name,
     stop_signal,
 )
@@ -142,7 +143,8 @@ def flow_here(
 @contextmanager
 def stop_in_order(server: SubprocessASGIServer | None) -> Iterator[None]:
     """While the block runs, the first SIGINT or SIGTERM raises KeyboardInterrupt or Prefect's
-    TerminationSignal in the main thread (later ones change nothing); once that has unwound the block,
+    TerminationSignal in the main thread (later ones change nothing, but the one sent again when Python
+    swallowed that exception in a destructor: flows/stop_signals.py); once that has unwound the block,
     send the flow run's logs, stop `server`, say so and exit without the interpreter's teardown (module
     docstring), or else `stop_now` at STOP_GRACE_S."""
     from prefect.exceptions import TerminationSignal
@@ -160,7 +162,10 @@ def stop_in_order(server: SubprocessASGIServer | None) -> Iterator[None]:
 
     previous = {number: signal.signal(number, raise_once) for number in STOP_SIGNALS}
     try:
-        with deadline_after_stop_signal(STOP_GRACE_S, partial(stop_now, server)):
+        with (
+            deadline_after_stop_signal(STOP_GRACE_S, partial(stop_now, server)),
+            redeliver_swallowed_stops(on_swallowed=stopping.clear),  # raised in a destructor: raise it again
+        ):
             yield
     except (KeyboardInterrupt, TerminationSignal) as stop:
         number = stop_signal(stop)

@@ -102,6 +102,15 @@ def assert_stopped_cleanly(process: subprocess.Popen, status: int, signal_number
     assert server_port not in listening_ports()
 
 
+def assert_marked_crashed(project: Path, *log_starts: str) -> None:
+    """The run's one flow run is Crashed on its server, and its log holds a message starting with each of
+    `log_starts`; a failure shows the command's output (a stop that overran its deadline says so there)."""
+    ((_, state, messages),) = flow_runs(project / "prefect-home")
+    assert state == "CRASHED", (project / "killed.log").read_text()[-3000:]
+    for start in log_starts:
+        assert any(message.startswith(start) for message in messages), messages
+
+
 def start_and_stop(command: list[str], project: Path, stage_glob: str, signal_number: int, to_group: bool) -> Path:
     """Run `command` until its stage has a checkpoint, stop it with `signal_number`, check that it stopped
     cleanly, and return the stage's output directory."""
@@ -120,9 +129,7 @@ def test_sigterm_during_a_stage_stops_within_10_s_leaves_nothing_running_and_the
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     command = run_command(data, "reward")
     reward_dir = start_and_stop(command, tmp_path, "*/reward", signal.SIGTERM, to_group=False)
-    ((_, state, messages),) = flow_runs(tmp_path / "prefect-home")
-    assert state == "CRASHED"
-    assert any(message.startswith("stopped by SIGTERM during stage reward") for message in messages), messages
+    assert_marked_crashed(tmp_path, "stopped by SIGTERM during stage reward")
 
     env = project_env(tmp_path)
     rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S)
@@ -144,9 +151,7 @@ def test_sigterm_during_a_stage_stops_within_10_s_leaves_nothing_running_and_the
 def test_ctrl_c_at_a_terminal_stops_within_10_s_and_the_flow_run_is_marked_on_its_server(tmp_path: Path) -> None:
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     start_and_stop(run_command(data, "sft"), tmp_path, "*/sft", signal.SIGINT, to_group=True)
-    ((_, state, messages),) = flow_runs(tmp_path / "prefect-home")
-    assert state == "CRASHED"  # the server outlived the Ctrl-C until the run was marked on it
-    assert any(message.startswith("stopped by SIGINT during stage sft") for message in messages), messages
+    assert_marked_crashed(tmp_path, "stopped by SIGINT during stage sft")  # the server outlived the Ctrl-C
 
 
 def test_sigterm_while_the_judge_trains_beside_sft_stops_its_process_too(tmp_path: Path) -> None:
@@ -155,7 +160,4 @@ def test_sigterm_while_the_judge_trains_beside_sft_stops_its_process_too(tmp_pat
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     command = [*run_command(data, "sft"), "--stage", "judge-reward", "-s", "reward.max_steps=200"]
     start_and_stop(command, tmp_path, "*/sft", signal.SIGTERM, to_group=False)  # no process of its group left
-    ((_, state, messages),) = flow_runs(tmp_path / "prefect-home")
-    assert state == "CRASHED"
-    assert any(message.startswith("stopped by SIGTERM during stage sft") for message in messages), messages
-    assert any(message.startswith("stage 3/3: judge-reward (beside sft)") for message in messages), messages
+    assert_marked_crashed(tmp_path, "stopped by SIGTERM during stage sft", "stage 3/3: judge-reward (beside sft)")

@@ -64,6 +64,24 @@ with deadline_after_stop_signal(0.2, overrun):
 print("no deadline", flush=True)
 """
 
+SIGNALLED_IN_A_DESTRUCTOR = """
+import os, sys, time
+from rlhf_cli.in_process import stop_in_order
+
+class SignalledWhenDropped:
+    def __del__(self):
+        os.kill(os.getpid(), {signal_number})
+        for _ in range(100_000):
+            pass  # the handler runs here, and Python drops what it raises in a destructor
+
+with stop_in_order(None):  # as `rlhf run` does, without a temporary server
+    SignalledWhenDropped()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        pass
+    print("the stop was lost", flush=True)
+"""
+
 
 @pytest.mark.parametrize(
     ("signal_number", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
@@ -119,3 +137,15 @@ def test_sigterm_while_a_task_trains_in_a_thread_stops_the_command_within_10_s(t
     assert process.returncode == 128 + signal.SIGTERM
     assert "rlhf: stopped" in (tmp_path / "stderr.log").read_text()
     assert group_processes(process.pid) == []  # the temporary server too (it once stayed, re-parented to PID 1)
+
+
+@pytest.mark.slow  # a Python process
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_raised_inside_a_destructor_is_raised_again(signal_number: int, tmp_path: Path) -> None:
+    """The handler's exception, dropped by Python in a destructor (a garbage collector's callback in CI), must
+    not lose the stop: it was lost, and `rlhf run` ended at its deadline with the flow run unmarked."""
+    process = python(SIGNALLED_IN_A_DESTRUCTOR.format(signal_number=int(signal_number)), tmp_path)
+    stdout, _ = process.communicate(timeout=60)
+    stderr = (tmp_path / "stderr.log").read_text()
+    assert (process.returncode, stdout) == (128 + signal_number, ""), stderr[-2000:]
+    assert f"rlhf: stopped by {signal_number.name}" in stderr
