@@ -97,7 +97,7 @@ def redeliver_swallowed_stops(on_swallowed: Callable[[], Any] = lambda: None) ->
     A signal's Python handler runs wherever the main thread is at that moment. When that is a destructor or a
     garbage collector's weakref callback (SQLAlchemy registers them), the exception it raises is printed as
     "Exception ignored in ..." and dropped: the stop was lost, the command trained on, and `rlhf run` ended
-    at its deadline with the flow run still Running (seen in CI). Python hands every such exception to
+    at its deadline with the flow run still Running (what failed a CI run). Python hands every such exception to
     `sys.unraisablehook`; here that hook calls `on_swallowed` (for a handler that ignores repeats) and has a
     timer thread send the signal again REDELIVERY_DELAY_S later, so the handler raises once more where the
     main thread has gone by then (sent from the hook itself, it raised inside the hook, dropped again)."""

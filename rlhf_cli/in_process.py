@@ -20,15 +20,17 @@ settings when Prefect is first imported (inside the command). `in_process_flow` 
    progress and its summary only, and then the log file's name.
 
 An orderly stop: Prefect turns SIGTERM into an exception inside a flow run, marks the run Crashed, and
-then sends SIGTERM again to whatever handler was there before; with Python's default one the process
-died on the spot, without its exit handlers, and left the temporary server running, re-parented to
-PID 1 and listening on its port (issue 30). Here SIGINT and SIGTERM raise in the main thread from
-start to end, again where Python swallowed the exception in a destructor (the flow logs the stage it stopped in, flows/pipeline.py); once Prefect has marked the
-flow run, the command sends the run's last log lines, stops the server, says in one line that it
-stopped and exits with 128 + the signal, all within STOP_GRACE_S of the signal, or else kills the
-server and exits (flows/stop_signals.py); that deadline starts at the signal even when Prefect's flow
-engine takes it and waits for a task thread that trains on (an ablation's variants train in threads). The stage it stopped in has no `metrics.json`, so it is incomplete, and the
-same command run again resumes it (tasks/resume.py). tests/test_run_signals.py checks it all.
+then sends SIGTERM again to whatever handler was there before; with Python's default one the process died
+on the spot, without its exit handlers, and left the temporary server running, re-parented to PID 1 and
+listening on its port (issue 30). Here SIGINT and SIGTERM raise in the main thread from start to end, and
+again where Python swallowed the exception in a destructor (the flow logs the stage it stopped in,
+flows/pipeline.py); once Prefect has marked the flow run, the command sends the run's last log lines,
+stops the server, says in one line that it stopped and exits with 128 + the signal, all within
+STOP_GRACE_S of the signal, or else kills the server and exits (flows/stop_signals.py); that deadline
+starts at the signal even when Prefect's flow engine takes it and waits for a task thread that trains on
+(an ablation's variants train in threads). The stage it stopped in has no `metrics.json`, so it is
+incomplete, and the same command run again resumes it (tasks/resume.py). tests/test_run_signals.py checks
+it all.
 """
 
 from __future__ import annotations
