@@ -2,7 +2,7 @@
 
 Two CPU processes run tests/scripts/distributed_rank_probe.py: every rank's output reaches the callback
 with the rank it came from, and when a rank raises, the error names that rank and its message (not the
-secondary error of the rank that lost its peer), with the rank's last log lines.
+secondary error of the rank that lost its peer), with the rank's last log lines; a rank that dies without a Python error is shown by every rank's last lines.
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def test_failing_rank_is_named_with_its_message_and_every_rank_is_streamed(tmp_p
     assert (0, "hello from rank 0 of 2") in lines
     assert (1, "hello from rank 1 of 2") in lines
     assert any(rank is None for rank, _ in lines)  # the launcher's own output
+
+
+@pytest.mark.slow
+def test_a_rank_that_aborts_is_shown_by_every_ranks_last_lines(tmp_path: Path) -> None:
+    with pytest.raises(RankFailedError) as raised:
+        run_launch(probe_launch(tmp_path, "--fail-rank", "1", "--message", "about to abort", "--abort"), print)
+    error = raised.value
+    assert (error.rank, error.error_type) == (None, None)
+    message = str(error)
+    assert "no rank recorded an error" in message
+    rank_1 = message.split("--- last lines of rank 1 ---\n", 1)[1]
+    assert "about to abort" in rank_1
+    assert "hello from rank 0 of 2" in message.split("--- last lines of rank 0 ---\n", 1)[1]
 
 
 def test_a_world_of_one_runs_the_module_directly(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 With one process the collectives return their input's value, which is what keeps the single-process
 path unchanged; their multi-rank behaviour is covered by the 2-process equivalence tests, and
-`computed_on_main`'s by two gloo processes here.
+`computed_on_main`'s and `leave_process_group`'s by two gloo processes here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from rlhf_core.distributed.collectives import (
     sum_counts,
     sum_metrics,
 )
-from rlhf_core.distributed.context import RankContext, RankEnvironmentError, rank_context, stage_context
+from rlhf_core.distributed.context import (
+    RankContext,
+    RankEnvironmentError,
+    leave_process_group,
+    rank_context,
+    stage_context,
+)
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.ppo.masked import masked_mean, masked_var
 
@@ -77,8 +83,10 @@ def hash_on_main_rank(rank: int, store: str, results: str) -> None:
         failure = "none"
     except ZeroDivisionError as error:
         failure = type(error).__name__
-    torch.distributed.destroy_process_group()
-    Path(f"{results}.{rank}").write_text(json.dumps({"answer": answer, "calls": calls, "failure": failure}))
+    leave_process_group()
+    left = not torch.distributed.is_initialized()
+    got = {"answer": answer, "calls": calls, "failure": failure, "left": left}
+    Path(f"{results}.{rank}").write_text(json.dumps(got))
 
 
 @pytest.mark.slow  # two gloo processes
@@ -87,7 +95,8 @@ def test_computed_on_main_runs_on_rank_0_alone_and_every_rank_gets_its_answer_or
     torch.multiprocessing.spawn(hash_on_main_rank, args=(str(tmp_path / "store"), str(results)), nprocs=2)
     got = [json.loads(Path(f"{results}.{rank}").read_text()) for rank in range(2)]
     assert got == [
-        {"answer": "hashed by rank 0", "calls": [0], "failure": "ZeroDivisionError"},
-        {"answer": "hashed by rank 0", "calls": [], "failure": "ZeroDivisionError"},
+        {"answer": "hashed by rank 0", "calls": [0], "failure": "ZeroDivisionError", "left": True},
+        {"answer": "hashed by rank 0", "calls": [], "failure": "ZeroDivisionError", "left": True},
     ]
     assert computed_on_main(lambda: "alone") == "alone"  # one process: just the call
+    leave_process_group()  # one process, no group: nothing to leave

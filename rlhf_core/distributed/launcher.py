@@ -34,6 +34,7 @@ from rlhf_core.distributed.rank_errors import ERROR_DIR_ENV, read_rank_errors
 WORKER_MODULE = "rlhf_core.stages.worker"
 POLL_SECONDS = 0.2
 TAIL_LINES = 40
+RANK_TAIL_LINES = 15  # per rank, when no rank recorded an error
 LineCallback = Callable[[int | None, str], None]  # (rank, or None for the launcher itself; line)
 StopCheck = Callable[[], bool]  # polled while a launch runs: true stops it
 
@@ -171,7 +172,17 @@ def _failure(spec: Launch, returncode: int, followers: dict[int | None, _LogFoll
         "(killed by a signal or out of memory?)\n"
         f"--- last lines of the launcher (all logs: {spec.log_dir}) ---\n" + "\n".join(tail)
     )
-    return RankFailedError(message, None, None, tail)
+    return RankFailedError(message + _rank_tails(followers), None, None, tail)
+
+
+def _rank_tails(followers: dict[int | None, _LogFollower]) -> str:
+    """The last lines of every rank's own log: where a rank that died without a Python error (a native
+    abort, "terminate called ...", a fatal Python error) said why; the launcher's log only has its status."""
+    ranks = sorted(rank for rank in followers if rank is not None)
+    return "".join(
+        f"\n--- last lines of rank {rank} ---\n" + "\n".join(followers[rank].lines[-RANK_TAIL_LINES:])
+        for rank in ranks
+    )
 
 
 def run_launch(spec: Launch, on_line: LineCallback, stop: StopCheck | None = None) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import read_yaml_mapping, validate_config
-from rlhf_core.distributed.context import rank_context
+from rlhf_core.distributed.context import leave_process_group, rank_context
 from rlhf_core.distributed.rank_errors import recording_rank_errors
 from rlhf_core.stages.result import StageResult
 from rlhf_core.training.host_allocator import keep_freed_memory
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     with recording_rank_errors():
         args = parse_args(argv)
         result = run_stage(args)
+        leave_process_group()
     if context.is_main:
         log.info("stage %s finished: outputs in %s", args.stage, result.out_dir)
 

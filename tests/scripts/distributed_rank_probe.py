@@ -3,6 +3,7 @@
 `--fail-rank R --message M`: rank R raises ValueError(M) (recorded for the launcher); every other rank
 waits until rank R's error record exists and then raises a secondary error of its own, unless the
 launcher kills it first (a rank that waits for a rank beyond the world waits a minute: a long launch to stop).
+With `--abort`, rank R prints M and aborts the process instead (a native crash: no error record).
 """
 
 import argparse
@@ -18,11 +19,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-rank", type=int, required=True)
     parser.add_argument("--message", required=True)
+    parser.add_argument("--abort", action="store_true")
     args = parser.parse_args()
     context = rank_context()
     print(f"hello from rank {context.rank} of {context.world_size}", flush=True)
     print(f"pid {os.getpid()}", flush=True)
     with recording_rank_errors():
+        if context.rank == args.fail_rank and args.abort:
+            print(args.message, flush=True)
+            os.abort()
         if context.rank == args.fail_rank:
             raise ValueError(args.message)
         record = Path(os.environ[ERROR_DIR_ENV]) / f"rank-{args.fail_rank}.json"
