@@ -19,10 +19,11 @@ class TrainingConfig(Section):
     max_steps: int | None = Field(None, gt=0, description="Caps the optimizer steps if set.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences (pairs for the reward model) per forward pass.")
     batching: Batching = Field(
-        "fixed",
+        "length_grouped",
         description="fixed: micro_batch_size examples in a seeded random order; length_grouped: the same, "
-        "each micro-batch of similar lengths (less padding); token_budget: the paper's dynamic batching, "
-        "micro-batches packed to token_budget padded tokens (rlhf_core/training/batching.py).",
+        "each micro-batch of similar lengths (less padding: the default run's SFT 0.75x the minutes of fixed, "
+        "docs/stage-bounds.md); token_budget: the paper's dynamic batching, micro-batches packed to "
+        "token_budget padded tokens (rlhf_core/training/batching.py).",
     )
     token_budget: int = Field(4096, gt=0, description="Padded tokens per micro-batch (batching: token_budget).")
     grad_accum_steps: int = Field(2, ge=1, description="Micro-batches per optimizer step.")
@@ -88,7 +89,8 @@ class RewardConfig(TrainingConfig):
     def _odin_needs_mixed_lengths(self) -> RewardConfig:
         if self.length_debias == "odin" and self.batching != "fixed":
             raise ValueError(
-                f"length_debias odin needs batching fixed, not {self.batching}: its correlation term is taken "
-                "over a micro-batch, and length-sorted micro-batches hold replies of about one length"
+                f"length_debias odin needs batching fixed, not {self.batching} (set reward.batching: fixed): its "
+                "correlation term is taken over a micro-batch, and length-sorted micro-batches hold replies of "
+                "about one length"
             )
         return self
