@@ -1,8 +1,8 @@
 """SFT on 2 CPU processes (gloo, DeepSpeed ZeRO-2 engine, the real launcher) == SFT on 1 process.
 
 Two ranks with a per-rank batch of B = 2 sequences (one micro-batch each) against one process with a
-batch of 2B = 4 sequences: both plans cut the same seeded permutation into the same 4 sequences per step,
-so the losses, gradient norms, validation figures and final weights must agree. Tolerance 1e-5:
+batch of 2B = 4 sequences, fixed-size batches: both plans cut the same seeded permutation into the same
+4 sequences per step, so the losses, gradient norms, validation figures and final weights must agree. Tolerance 1e-5:
 absolute on losses of ~10.8, relative norm per tensor on weights (`assert_same_weights`); that covers
 what float32 summation order and padding to another batch width leave, while a wrong normalisation
 (per-rank instead of global token counts) or a missing gradient reduction is off by 1e-2 or more.
@@ -35,7 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 1e-5
 GRAD_NORM_RELATIVE = 1e-4
 STEPS = 3
-COMMON = [f"sft.max_steps={STEPS}", "sft.grad_accum_steps=1", "sft.eval_every=100", "sft.checkpoint_every=2"]
+COMMON = [
+    f"sft.max_steps={STEPS}",
+    "sft.grad_accum_steps=1",
+    "sft.eval_every=100",
+    "sft.checkpoint_every=2",
+    "sft.batching=fixed",  # length-grouped steps depend on the micro-batch size (infra/deepspeed/README.md)
+]
 
 
 @pytest.mark.slow
