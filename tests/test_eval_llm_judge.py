@@ -69,6 +69,10 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _send(self, status: int, payload: dict) -> None:
+            # Out of flight before the reply is written: the client may start its next request as soon as
+            # it has this reply, and that request must not count beside this one.
+            with state.lock:
+                state.in_flight -= 1
             body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -85,12 +89,8 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 digest = hashlib.sha256(raw).hexdigest()
                 state.attempts_by_body[digest] += 1
                 first_time = state.attempts_by_body[digest] == 1
-            try:
-                time.sleep(0.01)  # lets concurrent requests overlap
-                self._answer(json.loads(raw), first_time)
-            finally:
-                with state.lock:
-                    state.in_flight -= 1
+            time.sleep(0.01)  # lets concurrent requests overlap
+            self._answer(json.loads(raw), first_time)
 
         def _answer(self, body: dict, first_time: bool) -> None:
             if self.path != "/v1/chat/completions":
