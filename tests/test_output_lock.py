@@ -97,7 +97,7 @@ def test_a_second_writer_fails_at_once_naming_the_holder(holder: subprocess.Pope
     started = time.monotonic()
     with pytest.raises(OutputLockedError) as raised, output_lock(tmp_path / "out", "sft"):
         pytest.fail("two writers held the lock")
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 60  # the holder keeps the lock for 600 s: a writer that waited would not
     message = str(raised.value)
     assert f"{tmp_path / 'out'} is being written by another process: pid {holder.pid} on host " in message
     assert f"host {socket.gethostname()} (stage holder, started 20" in message
