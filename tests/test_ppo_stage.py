@@ -55,8 +55,17 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
     assert metrics == result.metrics and metrics["steps_completed"] == total and metrics["guard_stopped"] == 0
     assert metrics["guard_enabled"] == 1.0  # the default guard has bounds: its "not stopped" means something
     assert metrics["val/reward_initial"] == rows[0]["val/reward"]
-    # The reward's rank correlation with length on the first rollout (the SFT policy's replies), when defined.
-    assert metrics.get("reward_length_spearman_sft") == rows[1].get("reward/length_spearman")
+    # The reward's rank correlation with length on the SFT policy's replies: every rollout before the first
+    # policy update (critic pretraining's and the next), averaged, where defined.
+    sft_rollouts = [
+        row["reward/length_spearman"]
+        for row in rows[1 : int(metrics["critic_pretrain_steps"]) + 2]
+        if "reward/length_spearman" in row
+    ]
+    assert metrics.get("reward_length_spearman_sft") == (
+        pytest.approx(sum(sft_rollouts) / len(sft_rollouts)) if sft_rollouts else None
+    )
+    assert metrics.get("reward_length_spearman_sft_rollouts", 0) == len(sft_rollouts)
     assert [path.name for path in complete_checkpoints(out / "checkpoints")] == [f"step-{total:08d}"]
     model, tokenizer = load_causal_lm(out / "model")
     assert model.generation_config.eos_token_id == [tokenizer.convert_tokens_to_ids("<|im_end|>")]

@@ -163,8 +163,9 @@ def response_values(
 # starts from: the initial policy's replies to the held-out prompts at the step-0 validation (the
 # validator's fixed-seed sampling, read once), and the least-squares slope of score on log(1 + reply tokens)
 # is added to the reward model's `length_slope`, which every later score of the run then subtracts
-# (`RewardModel.scores_at_ends`). How two replies of equal length rank is unchanged. The first rollout's
-# `reward/length_spearman` (the stage's `reward_length_spearman_sft`) checks it out of sample.
+# (`RewardModel.scores_at_ends`). How two replies of equal length rank is unchanged. The training rollouts'
+# `reward/length_spearman` (before the first policy update: the stage's `reward_length_spearman_sft`)
+# check it out of sample.
 
 
 def scored_reply_tokens(response_mask: Tensor) -> Tensor:

@@ -35,7 +35,9 @@ guard is still a completed stage: its output is the best policy validated before
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -151,8 +153,7 @@ def stage_metrics(
     interval), how the run ended (`guard_enabled`: whether the collapse guard had a bound to stop it by,
     so that `guard_stopped` 0 of a run without one is not read as "no collapse"), the critic before the
     policy moved, the first and last values of the Figure-4 monitors, and how the reward ranked the SFT
-    policy's replies by length (the first rollout's `reward/length_spearman`, kept in history.jsonl
-    across resumes)."""
+    policy's replies by length (`sft_reward_length_spearman`)."""
     selected = result.selection
     chosen_row = next(row for row in history if row["step"] == selected.step and "val/reward" in row)
     initial_row = next(row for row in history if row["step"] == 0 and "val/reward" in row)
@@ -184,9 +185,7 @@ def stage_metrics(
             metrics["critic/explained_variance_pretrained"] = started[0]["values/explained_variance"]
     if "reward/length_residual_slope" in initial_row:  # ppo.length_residual: the slope taken out of every score
         metrics["length_residual_slope"] = initial_row["reward/length_residual_slope"]
-    first_rollout = next((row for row in history if row["step"] == 1), {})
-    if "reward/length_spearman" in first_rollout:  # the SFT policy's replies, before any update
-        metrics["reward_length_spearman_sft"] = first_rollout["reward/length_spearman"]
+    metrics.update(sft_reward_length_spearman(history, result.critic_pretrain_steps))
     trained = [row for row in history if row["step"] > 0]
     for name in HEADLINE_MONITORS:
         values = [row[name] for row in trained if name in row]
@@ -194,6 +193,27 @@ def stage_metrics(
             metrics[f"first/{name}"] = values[0]
             metrics[f"last/{name}"] = values[-1]
     return metrics
+
+
+def sft_reward_length_spearman(history: list[dict[str, float]], critic_pretrain_steps: int) -> dict[str, float]:
+    """How the reward ranks the SFT policy's own replies by length: the mean of `reward/length_spearman`
+    over the rollouts sampled before the policy's first update (iterations 1 to critic_pretrain_steps + 1,
+    read from history.jsonl, so it survives resumes), with its standard error and their number. One
+    rollout of 16 replies alone is too noisy to compare reward models by (docs/stages-ppo.md)."""
+    values = [
+        row["reward/length_spearman"]
+        for row in history
+        if 1 <= row["step"] <= critic_pretrain_steps + 1 and "reward/length_spearman" in row
+    ]
+    if not values:
+        return {}
+    figures = {
+        "reward_length_spearman_sft": statistics.fmean(values),
+        "reward_length_spearman_sft_rollouts": float(len(values)),
+    }
+    if len(values) > 1:
+        figures["reward_length_spearman_sft_se"] = statistics.stdev(values) / math.sqrt(len(values))
+    return figures
 
 
 def selection_record(result: FitResult, prompt_ids: list[str]) -> dict[str, object]:
