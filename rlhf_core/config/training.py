@@ -61,6 +61,12 @@ class RewardConfig(TrainingConfig):
     """Reward model: ranking loss + beta_rm * LM loss on the chosen reply (paper eq. 2, section 4.2)."""
 
     init_from: Literal["sft", "base"] = Field("sft", description="Start from the SFT model or the base model.")
+    batching: Batching = Field(
+        "fixed",
+        description="As sft.batching, fixed by default: length-grouped micro-batches trained reward models "
+        "that paid more for brevity on the default run's replies (docs/length-debias.md, 'Batching and "
+        "the reward models'); odin needs fixed.",
+    )
     lr: float = Field(
         2e-4, gt=0, lt=1, description="Peak learning rate: only the top blocks and a new head train (2e-5 reached 0.57)."
     )
