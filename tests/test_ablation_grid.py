@@ -91,6 +91,9 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
     assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr
     assert by_name["ppo_max-epochs1"].ppo_epochs == 1 != base.ppo_epochs
+    assert by_name["ppo_max-window4"].guard.length_window == 4 != base.guard.length_window
+    slow = by_name["ppo_max-window4-epochs1"]
+    assert (slow.guard.length_window, slow.ppo_epochs) == (4, 1) != (base.guard.length_window, base.ppo_epochs)
     assert by_name["ppo_max-critic_sft"].critic_init == "sft" != base.critic_init
     preset_levers = {"ppo_max-kl0.05": {"kl_coef": 0.05}, "ppo_max-critic_sft": {"critic_init": "sft"}}
     for variant in plan.variants:  # of the preset's switches, only these two are levers here
