@@ -131,8 +131,8 @@ def tiny_reward_model(tokenizer: PreTrainedTokenizerBase) -> RewardModel:
     return reward_model.requires_grad_(False)
 
 
-def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -> tuple[PPOTrainer, VariedEngine]:
-    """Critic pretraining and one PPO iteration on tiny models with `VariedEngine`, logged to `out`."""
+def varied_trainer(tokenizer: PreTrainedTokenizerBase, *overrides: str) -> tuple[PPOTrainer, VariedEngine]:
+    """A trainer of tiny models sampling from `VariedEngine`: one PPO iteration after one of critic pretraining."""
     config = tiny_config("ppo.steps=1", "ppo.critic_pretrain_steps=1", "ppo.eval_every=1", *overrides).ppo
     models = PPOModels(
         policy=build_tiny_model(tokenizer, seed=0),
@@ -142,7 +142,12 @@ def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -
     )
     prompts = [[{"role": "user", "content": f"Question {i}?"}] for i in range(16)]
     engine = VariedEngine(end_of_turn_id(tokenizer))
-    trainer = PPOTrainer(models, tokenizer, PPOData(prompts, prompts[:8]), config, seed=0, engine=engine)
+    return PPOTrainer(models, tokenizer, PPOData(prompts, prompts[:8]), config, seed=0, engine=engine), engine
+
+
+def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -> tuple[PPOTrainer, VariedEngine]:
+    """`varied_trainer`'s run: critic pretraining and one PPO iteration, logged to `out`."""
+    trainer, engine = varied_trainer(tokenizer, *overrides)
     fit(trainer, out / "checkpoints", JsonlLogger(out / "history.jsonl"))
     return trainer, engine
 
@@ -198,3 +203,19 @@ def test_a_resumed_trainer_scores_with_the_fitted_slope(inputs: StageInputs) -> 
     assert resumed.length_residual_slope == slope
     assert resumed.models.scorer.reward_model.length_slope == loaded_slope + slope
     assert fitted.models.scorer.reward_model.length_slope == resumed.models.scorer.reward_model.length_slope
+
+
+def test_each_rollouts_scores_lose_their_slope_on_log_length(tokenizer: PreTrainedTokenizerBase) -> None:
+    """`ppo.rollout_length_residual`: the rollout's replies and raw scores are the plain run's, while the
+    processed scores PPO optimises no longer follow log reply length within the rollout."""
+    rollouts = {}
+    for name, overrides in {"plain": (), "residual": ("ppo.rollout_length_residual=true",)}.items():
+        torch.manual_seed(0)  # VariedEngine draws from the global stream
+        trainer, _ = varied_trainer(tokenizer, *overrides)
+        rollouts[name] = trainer.rollout(step=1)[0]
+    plain, residual = rollouts["plain"], rollouts["residual"]
+    assert torch.equal(plain.response_mask, residual.response_mask) and torch.equal(plain.scores, residual.scores)
+
+    log_length = np.log1p((residual.response_mask.sum(dim=1) - residual.finished.long()).numpy())
+    assert abs(np.corrcoef(plain.processed_scores.numpy(), log_length)[0, 1]) > 0.05
+    assert abs(np.corrcoef(residual.processed_scores.numpy(), log_length)[0, 1]) < 1e-4

@@ -1,4 +1,5 @@
-"""Score normalisation/scaling with running statistics, and the KL-penalised token rewards."""
+"""Score normalisation/scaling with running statistics, the rollout's length residual, and the
+KL-penalised token rewards."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,13 @@ import torch
 from fixtures.masks import right_padded_mask
 
 from rlhf_core.ppo.normalizers import RunningMeanStd
-from rlhf_core.ppo.rewards import normalize_scores, scale_scores, token_level_rewards
+from rlhf_core.ppo.rewards import (
+    length_moments,
+    normalize_scores,
+    remove_length_slope,
+    scale_scores,
+    token_level_rewards,
+)
 
 
 def running_with(mean: float, var: float) -> RunningMeanStd:
@@ -86,3 +93,50 @@ def test_token_rewards_reject_bad_shapes_and_masks() -> None:
         token_level_rewards(torch.zeros(2), torch.zeros(2, 4), mask, 0.1)
     with pytest.raises(ValueError, match="right-padded"):
         token_level_rewards(torch.zeros(1), torch.zeros(1, 3), torch.tensor([[1, 0, 1]]), 0.1)
+
+
+def one_process(moments: torch.Tensor) -> torch.Tensor:
+    return moments
+
+
+def length_paying_batch(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores that fall with log reply length plus noise, as the policy reward model's do."""
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(2, 64, (n,), generator=generator)
+    scores = 1.0 - 0.8 * torch.log1p(tokens.double()) + 0.3 * torch.randn(n, generator=generator, dtype=torch.float64)
+    return scores.float(), tokens
+
+
+def test_length_residual_is_the_least_squares_residual_plus_the_mean() -> None:
+    scores, tokens = length_paying_batch()
+    x, y = np.log1p(tokens.numpy().astype(np.float64)), scores.numpy().astype(np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    expected = y - slope * (x - x.mean())  # the residual y - (a + b x), shifted back to the batch mean
+    residual = remove_length_slope(scores, tokens, one_process)
+    assert residual.dtype == scores.dtype
+    np.testing.assert_allclose(residual.numpy(), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(residual.numpy() - y.mean(), y - (intercept + slope * x), atol=1e-6)
+    assert abs(np.corrcoef(residual.numpy(), x)[0, 1]) < 1e-5
+    assert residual.double().mean().item() == pytest.approx(y.mean(), abs=1e-6)
+
+
+def test_length_residual_keeps_the_order_of_equal_lengths_and_constant_lengths() -> None:
+    scores = torch.tensor([0.5, -1.0, 2.0, 0.1])
+    tokens = torch.tensor([10, 10, 30, 30])
+    residual = remove_length_slope(scores, tokens, one_process)
+    assert residual[0] - residual[1] == pytest.approx(1.5) and residual[2] - residual[3] == pytest.approx(1.9)
+    assert torch.equal(remove_length_slope(scores, torch.full((4,), 7), one_process), scores)
+
+
+def test_length_residual_over_ranks_equals_the_whole_batch() -> None:
+    """Two ranks holding halves of the rollout, their moments summed, give the one-process rows."""
+    scores, tokens = length_paying_batch()
+    whole = remove_length_slope(scores, tokens, one_process)
+    halves = [(scores[:7], tokens[:7]), (scores[7:], tokens[7:])]
+    moments = [length_moments(*half) for half in halves]
+
+    def summed(_: torch.Tensor) -> torch.Tensor:
+        return moments[0] + moments[1]
+
+    split = torch.cat([remove_length_slope(s, t, summed) for s, t in halves])
+    torch.testing.assert_close(split, whole)

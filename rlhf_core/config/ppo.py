@@ -145,6 +145,11 @@ class PPOConfig(Section):
         description="Subtract from every score the reward's least-squares slope on log(1 + reply tokens), "
         "fitted on the initial policy's replies to the held-out prompts (rlhf_core/ppo/scoring.py).",
     )
+    rollout_length_residual: bool = Field(
+        False,
+        description="Subtract from each rollout's scores (with the unfinished penalty) their least-squares slope "
+        "on log(1 + reply tokens), refitted on that rollout's replies (rlhf_core/ppo/rewards.py).",
+    )
     max_prompt_tokens: int = Field(256, gt=0, description="Prompts are cut from the left to this many tokens.")
     trainable_top_layers: int | None = Field(
         4, ge=1, description="Train only the top N blocks of the policy and the critic; null: all."
