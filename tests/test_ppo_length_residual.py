@@ -1,6 +1,7 @@
-"""`ppo.length_residual`: the slope fitted on the initial policy's replies leaves the reward model's scores
-of those replies with no linear dependence on log length; the trainer fits it once, before step 0, on the
-validation replies without touching training's random stream, records it, and keeps it across a resume."""
+"""`ppo.length_residual`. `initial`: the slope fitted on the initial policy's replies leaves the reward
+model's scores of those replies with no linear dependence on log length; the trainer fits it once, before
+step 0, on the validation replies without touching training's random stream, records it, and keeps it
+across a resume. `every_rollout`: each rollout's processed scores lose their own slope."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience_maker import PPOModels
+from rlhf_core.ppo.masked import reply_tokens
 from rlhf_core.ppo.scoring import RewardModelScorer, fit_length_residual
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
 from rlhf_core.rollout.engine import Generation
@@ -83,7 +85,7 @@ def test_a_scorer_without_a_reward_model_is_refused() -> None:
     def rule(*batch: torch.Tensor) -> torch.Tensor:
         return batch[3].sum(dim=1).float()
 
-    with pytest.raises(ValueError, match="ppo.length_residual needs a reward model"):
+    with pytest.raises(ValueError, match="ppo.length_residual: initial needs a reward model"):
         fit_length_residual(rule, torch.zeros(2), torch.ones(2, 3))
 
 
@@ -92,7 +94,7 @@ def history(out: Path) -> list[dict[str, float]]:
 
 
 def test_the_stage_records_the_slope_it_took_out(inputs: StageInputs, tmp_path: Path) -> None:
-    config = tiny_config("ppo.steps=1", "ppo.critic_pretrain_steps=1", "ppo.length_residual=true")
+    config = tiny_config("ppo.steps=1", "ppo.critic_pretrain_steps=1", "ppo.length_residual=initial")
     result = run_ppo(config, inputs.data_dir, inputs.sft_dir, inputs.rm_dir, tmp_path / "ppo")
     rows = history(tmp_path / "ppo")
     assert result.metrics["length_residual_slope"] == rows[0]["reward/length_residual_slope"]
@@ -156,7 +158,7 @@ def engine_run(tokenizer: PreTrainedTokenizerBase, out: Path, *overrides: str) -
 def test_the_trainer_fits_the_slope_on_the_initial_replies_and_leaves_the_sampling_alone(
     tokenizer: PreTrainedTokenizerBase, tmp_path: Path
 ) -> None:
-    trainer, engine = engine_run(tokenizer, tmp_path / "debiased", "ppo.length_residual=true")
+    trainer, engine = engine_run(tokenizer, tmp_path / "debiased", "ppo.length_residual=initial")
     slope = trainer.length_residual_slope
     _, plain_engine = engine_run(tokenizer, tmp_path / "plain")
     # The slope is fitted on the step-0 validation's replies, sampled once: the run generates no more
@@ -187,7 +189,7 @@ def test_the_trainer_fits_the_slope_on_the_initial_replies_and_leaves_the_sampli
 
 
 def test_a_resumed_trainer_scores_with_the_fitted_slope(inputs: StageInputs) -> None:
-    config = tiny_config("ppo.length_residual=true")
+    config = tiny_config("ppo.length_residual=initial")
     data = load_ppo_data(config, inputs.data_dir)
     trainers = []
     for _ in range(2):
@@ -206,16 +208,16 @@ def test_a_resumed_trainer_scores_with_the_fitted_slope(inputs: StageInputs) -> 
 
 
 def test_each_rollouts_scores_lose_their_slope_on_log_length(tokenizer: PreTrainedTokenizerBase) -> None:
-    """`ppo.rollout_length_residual`: the rollout's replies and raw scores are the plain run's, while the
+    """`ppo.length_residual: every_rollout`: the rollout's replies and raw scores are the plain run's, while the
     processed scores PPO optimises no longer follow log reply length within the rollout."""
     rollouts = {}
-    for name, overrides in {"plain": (), "residual": ("ppo.rollout_length_residual=true",)}.items():
+    for name, overrides in {"plain": (), "residual": ("ppo.length_residual=every_rollout",)}.items():
         torch.manual_seed(0)  # VariedEngine draws from the global stream
         trainer, _ = varied_trainer(tokenizer, *overrides)
         rollouts[name] = trainer.rollout(step=1)[0]
     plain, residual = rollouts["plain"], rollouts["residual"]
     assert torch.equal(plain.response_mask, residual.response_mask) and torch.equal(plain.scores, residual.scores)
 
-    log_length = np.log1p((residual.response_mask.sum(dim=1) - residual.finished.long()).numpy())
+    log_length = np.log1p(reply_tokens(residual.response_mask, residual.finished).numpy())
     assert abs(np.corrcoef(plain.processed_scores.numpy(), log_length)[0, 1]) > 0.05
     assert abs(np.corrcoef(residual.processed_scores.numpy(), log_length)[0, 1]) < 1e-4

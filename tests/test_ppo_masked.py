@@ -16,6 +16,7 @@ from rlhf_core.ppo.masked import (
     masked_sum,
     masked_var,
     masked_whiten,
+    reply_tokens,
 )
 
 
@@ -104,6 +105,11 @@ def test_last_token_index_and_its_errors() -> None:
         last_token_index(right_padded_mask([2, 0], 3))
     with pytest.raises(ValueError, match="right-padded"):
         last_token_index(torch.tensor([[0, 1, 1]]))
+
+
+def test_reply_tokens_leave_out_a_finished_replys_end_of_turn() -> None:
+    mask = right_padded_mask([3, 3, 1], 4)  # a finished reply's last real token is its end-of-turn token
+    assert reply_tokens(mask, torch.tensor([True, False, True])).tolist() == [2, 3, 0]
 
 
 def test_kl_estimators_on_hand_values() -> None:

@@ -8,7 +8,6 @@ from fixtures.masks import right_padded_mask
 
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import (
-    length_moments,
     normalize_scores,
     remove_length_slope,
     scale_scores,
@@ -95,8 +94,9 @@ def test_token_rewards_reject_bad_shapes_and_masks() -> None:
         token_level_rewards(torch.zeros(1), torch.zeros(1, 3), torch.tensor([[1, 0, 1]]), 0.1)
 
 
-def one_process(moments: torch.Tensor) -> torch.Tensor:
-    return moments
+def one_process(rows: torch.Tensor) -> torch.Tensor:
+    """`gather_rows` on a single process: the rank's own rows."""
+    return rows
 
 
 def length_paying_batch(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,14 +129,13 @@ def test_length_residual_keeps_the_order_of_equal_lengths_and_constant_lengths()
 
 
 def test_length_residual_over_ranks_equals_the_whole_batch() -> None:
-    """Two ranks holding halves of the rollout, their moments summed, give the one-process rows."""
+    """Two ranks holding halves of the rollout, each gathering both halves' rows, give the one-process rows."""
     scores, tokens = length_paying_batch()
     whole = remove_length_slope(scores, tokens, one_process)
     halves = [(scores[:7], tokens[:7]), (scores[7:], tokens[7:])]
-    moments = [length_moments(*half) for half in halves]
 
-    def summed(_: torch.Tensor) -> torch.Tensor:
-        return moments[0] + moments[1]
+    def gathered(rows: torch.Tensor) -> torch.Tensor:  # gather_rows: both ranks' rows (scores are float)
+        return scores if rows.is_floating_point() else tokens
 
-    split = torch.cat([remove_length_slope(s, t, summed) for s, t in halves])
+    split = torch.cat([remove_length_slope(s, t, gathered) for s, t in halves])
     torch.testing.assert_close(split, whole)

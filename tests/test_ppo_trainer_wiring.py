@@ -79,7 +79,7 @@ SWITCHES: list[tuple[str, dict[str, Any], dict[str, Any], set[str]]] = [
     ("entropy_coef", {}, {"entropy_coef": 0.01}, {"policy_objective"}),
     ("behaviour_logprobs", {}, {"behaviour_logprobs": "reference"}, {"policy_loss", "policy_objective"}),
     ("unfinished_penalty", {}, {"unfinished_penalty": -3.0}, FROM_SCORES),
-    ("rollout_length_residual", {}, {"rollout_length_residual": True}, FROM_SCORES),
+    ("length_residual", {}, {"length_residual": "every_rollout"}, FROM_SCORES),
 ]
 
 

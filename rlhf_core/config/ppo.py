@@ -15,6 +15,9 @@ from rlhf_core.config.base import Section, check_ratio_band
 from rlhf_core.config.generation import RolloutConfig
 from rlhf_core.config.lora import LoraConfig
 
+# How PPO takes the reward's pay for reply length out of its scores (issue 27; docs/length-debias.md).
+LengthResidual = Literal["none", "initial", "every_rollout"]
+
 # The Figure 5 switches a preset sets; everything else in PPOConfig is scale, schedule or bookkeeping.
 PRESET_SWITCHES = (
     "kl_coef",
@@ -140,15 +143,11 @@ class PPOConfig(Section):
     unfinished_penalty: float = Field(
         -1.0, description="Added to the score of a response cut without an end-of-turn token."
     )
-    length_residual: bool = Field(
-        False,
-        description="Subtract from every score the reward's least-squares slope on log(1 + reply tokens), "
-        "fitted on the initial policy's replies to the held-out prompts (rlhf_core/ppo/scoring.py).",
-    )
-    rollout_length_residual: bool = Field(
-        False,
-        description="Subtract from each rollout's scores (with the unfinished penalty) their least-squares slope "
-        "on log(1 + reply tokens), refitted on that rollout's replies (rlhf_core/ppo/rewards.py).",
+    length_residual: LengthResidual = Field(
+        "none",
+        description="Take the reward's least-squares slope on log(1 + reply tokens) out of every score. initial: "
+        "fitted once, on the initial policy's replies to the held-out prompts (rlhf_core/ppo/scoring.py); "
+        "every_rollout: refitted on each rollout's replies, with the unfinished penalty (rlhf_core/ppo/rewards.py).",
     )
     max_prompt_tokens: int = Field(256, gt=0, description="Prompts are cut from the left to this many tokens.")
     trainable_top_layers: int | None = Field(

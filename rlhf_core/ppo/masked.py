@@ -114,3 +114,9 @@ def last_token_index(mask: Tensor) -> Tensor:
         empty_rows = torch.nonzero(lengths == 0).flatten().tolist()
         raise ValueError(f"mask rows {empty_rows} have no real tokens")
     return lengths - 1
+
+
+def reply_tokens(response_mask: Tensor, finished: Tensor) -> Tensor:
+    """The length ``[B]`` of each reply as evaluation counts it, from the response mask ``[B, T]`` and the
+    ``[B]`` finished flags: its real tokens less the end-of-turn token that ends a finished reply."""
+    return response_mask.sum(dim=1) - finished.long()

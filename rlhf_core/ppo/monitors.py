@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_core.ppo.diagnostics import explained_variance
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.kl import kl_k1, kl_k3
-from rlhf_core.ppo.masked import masked_mean, masked_sum, masked_var
+from rlhf_core.ppo.masked import masked_mean, masked_sum, masked_var, reply_tokens
 from rlhf_core.statistics import spearman
 from rlhf_core.training.logger import JsonlLogger
 
@@ -88,8 +88,7 @@ def length_monitors(response_mask: Tensor, finished: Tensor) -> Metrics:
 def reward_length_monitor(scores: Tensor, response_mask: Tensor, finished: Tensor) -> Metrics:
     """Spearman correlation of the raw scores ``[B]`` with the reply lengths: tokens without the
     end-of-turn token, as evaluation counts a reply. Left out when undefined (constant scores or lengths)."""
-    lengths = response_mask.sum(dim=1) - finished.long()
-    correlation = spearman(scores.float().cpu().numpy(), lengths.cpu().numpy())
+    correlation = spearman(scores.float().cpu().numpy(), reply_tokens(response_mask, finished).cpu().numpy())
     return {} if correlation is None else {"reward/length_spearman": correlation}
 
 

@@ -13,11 +13,12 @@ import torch
 from torch import Tensor
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.distributed.collectives import global_masked_mean_var, group_size, sum_across_ranks
+from rlhf_core.distributed.collectives import gather_rows, global_masked_mean_var, group_size
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages
 from rlhf_core.ppo.experience import Experience
 from rlhf_core.ppo.kl import kl_k1
 from rlhf_core.ppo.losses import PolicyLossStats, ValueLossStats, policy_loss, reduce_tokens, value_loss
+from rlhf_core.ppo.masked import reply_tokens
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import normalize_scores, remove_length_slope, scale_scores, token_level_rewards
 
@@ -31,14 +32,6 @@ def penalize_unfinished(scores: Tensor, finished: Tensor, penalty: float) -> Ten
     std it is then normalised with) and before normalisation; validation rewards add it the same way.
     """
     return torch.where(finished, scores, scores + penalty)
-
-
-def rollout_length_residual(scores: Tensor, response_mask: Tensor, finished: Tensor) -> Tensor:
-    """`ppo.rollout_length_residual`: the penalised scores ``[B]`` less their slope on log reply length,
-    fitted on the whole rollout batch (every rank's rows; `rewards.remove_length_slope`). A reply's
-    length is its tokens without the end-of-turn token, as `monitors.reward_length_monitor` counts it."""
-    reply_tokens = response_mask.sum(dim=1) - finished.long()
-    return remove_length_slope(scores, reply_tokens, sum_across_ranks)
 
 
 def process_scores(scores: Tensor, score_stats: RunningMeanStd, config: PPOConfig) -> Tensor:
@@ -75,15 +68,15 @@ def assemble_experience(
 ) -> Experience:
     """The rollout's tensors (shapes in `Experience`) -> the full `Experience` PPO learns from.
 
-    Unfinished penalty, the rollout's length residual (when `rollout_length_residual` is on), score
+    Unfinished penalty, the rollout's length residual (`length_residual: every_rollout`), score
     processing (5.3.1), the token-level KL-penalised reward with the k1
     estimator (5.3.2, ``rewards.token_level_rewards``) and GAE (3.2). `score_stats` must already
     include this batch's RAW scores; nothing here updates it.
     """
     real = response_mask.bool()
     penalized = penalize_unfinished(scores, finished, config.unfinished_penalty)
-    if config.rollout_length_residual:
-        penalized = rollout_length_residual(penalized, response_mask, finished)
+    if config.length_residual == "every_rollout":
+        penalized = remove_length_slope(penalized, reply_tokens(response_mask, finished), gather_rows)
     processed = process_scores(penalized, score_stats, config)
     kl = torch.where(real, kl_k1(logprobs, ref_logprobs), 0.0)
     rewards = token_level_rewards(processed, kl, response_mask, config.kl_coef)

@@ -17,7 +17,7 @@ Two steps, both from the paper:
    statistics to catch the reversed order on the first batch.
 
 Optionally, before step 1, ``remove_length_slope`` takes out of a rollout's scores their linear
-dependence on log reply length (`ppo.rollout_length_residual`, issue 27; docs/length-debias.md).
+dependence on log reply length (`ppo.length_residual: every_rollout`, issue 27; docs/length-debias.md).
 
 2. Token-level KL penalty (sections 3.1 and 5.3.2): every real token t gets
    ``r_t = -eta * KL_t`` (KL_t from ``kl.kl_k1``), and the processed score is added at the last
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from rlhf_core.ppo.masked import last_token_index
 from rlhf_core.ppo.normalizers import RunningMeanStd
+from rlhf_core.statistics import length_slope
 
 
 def _require_history(running: RunningMeanStd) -> None:
@@ -88,28 +89,18 @@ def token_level_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float
     return rewards
 
 
-def length_moments(scores: Tensor, reply_tokens: Tensor) -> Tensor:
-    """The sums a least-squares fit of score on ``x = log(1 + tokens)`` needs, over replies ``[B]``:
-    ``[n, sum x, sum score, sum x^2, sum x * score]`` in float64 (summed over ranks, they fit the global batch)."""
-    x = torch.log1p(reply_tokens.double())
-    y = scores.double()
-    return torch.stack([torch.ones_like(x).sum(), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()])
-
-
-def remove_length_slope(scores: Tensor, reply_tokens: Tensor, total: Callable[[Tensor], Tensor]) -> Tensor:
+def remove_length_slope(scores: Tensor, reply_tokens: Tensor, gather: Callable[[Tensor], Tensor]) -> Tensor:
     """``score - b (log(1 + tokens) - mean)``: the scores ``[B]`` less their least-squares slope b on log
-    reply length, fitted on this batch, so that within it the scores no longer follow log length while
-    their mean is kept; ``[B]`` -> ``[B]``. `total` sums `length_moments` over the ranks that share the
-    batch (the identity on one process). Scores are returned unchanged when the lengths do not vary.
+    reply length (`statistics.length_slope`), fitted on the whole rollout, so that within it the scores no
+    longer follow log length while their mean is kept; ``[B]`` -> ``[B]``. `gather` returns every rank's
+    rows of a ``[B]`` tensor (the identity on one process), so the slope and the mean log length are the
+    global batch's. Scores are returned unchanged when the lengths do not vary.
 
-    A slope fitted once, on the initial policy's replies (`ppo.length_residual`), did not stop PPO from
-    learning shorter replies; refitted on every rollout, what the reward pays for length among the
+    A slope fitted once, on the initial policy's replies (`ppo.length_residual: initial`), did not stop PPO
+    from learning shorter replies; refitted on every rollout, what the reward pays for length among the
     policy's current replies is taken out as it changes.
     """
-    n, sum_x, sum_y, sum_xx, sum_xy = (float(value) for value in total(length_moments(scores, reply_tokens)))
-    spread = sum_xx - sum_x * sum_x / n
-    if spread <= 1e-12 * n:
-        return scores
-    slope = (sum_xy - sum_x * sum_y / n) / spread
-    x = torch.log1p(reply_tokens.double())
-    return (scores.double() - slope * (x - sum_x / n)).to(scores.dtype)
+    all_tokens = gather(reply_tokens)
+    slope = length_slope(gather(scores).double().cpu().numpy(), all_tokens.cpu().numpy())
+    mean_log_length = torch.log1p(all_tokens.double()).mean()
+    return (scores.double() - slope * (torch.log1p(reply_tokens.double()) - mean_log_length)).to(scores.dtype)

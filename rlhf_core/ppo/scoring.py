@@ -17,8 +17,8 @@ use the sampling temperature: the importance ratio and the KL to the reference m
 the distribution that generated the data (rlhf_core/rollout/generation.py says when that distribution
 is the tempered policy itself).
 
-`ppo.length_residual` (`fit_length_residual`, at the end) takes the reward model's pay for reply length on
-the initial policy's replies out of every score.
+`ppo.length_residual: initial` (`fit_length_residual`, at the end) takes the reward model's pay for reply
+length on the initial policy's replies out of every score.
 """
 
 from __future__ import annotations
@@ -156,11 +156,11 @@ def response_values(
     return _pad_to(torch.where(response_mask[:, :length].bool(), values, 0.0), response_ids.shape[1])
 
 
-# ---- ppo.length_residual ---------------------------------------------------------------------------
+# ---- ppo.length_residual: initial ------------------------------------------------------------------
 # The reward model's score falls with reply length on the SFT policy's samples (docs/length-debias.md), so
 # PPO learns to answer shorter. `reward.length_debias: length_residual` removes a slope fitted on the human
-# training replies, which are not the replies PPO scores; `ppo.length_residual` fits it on the replies PPO
-# starts from: the initial policy's replies to the held-out prompts at the step-0 validation (the
+# training replies, which are not the replies PPO scores; `ppo.length_residual: initial` fits it on the
+# replies PPO starts from: the initial policy's replies to the held-out prompts at the step-0 validation (the
 # validator's fixed-seed sampling, read once), and the least-squares slope of score on log(1 + reply tokens)
 # is added to the reward model's `length_slope`, which every later score of the run then subtracts
 # (`RewardModel.scores_at_ends`). How two replies of equal length rank is unchanged. The training rollouts'
@@ -190,6 +190,6 @@ def reward_model_of(scorer: Scorer) -> RewardModel:
     """The reward model behind `scorer`; a clear error for a scorer without one (a rule in tests)."""
     if not isinstance(scorer, RewardModelScorer):
         raise ValueError(
-            f"ppo.length_residual needs a reward model to score the replies, got a {type(scorer).__name__}"
+            f"ppo.length_residual: initial needs a reward model to score the replies, got a {type(scorer).__name__}"
         )
     return scorer.reward_model

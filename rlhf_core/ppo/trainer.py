@@ -115,7 +115,7 @@ class PPOTrainer:
         )
         self.validator = Validator(self.maker, data.val_prompts, data.val_prompt_ids, config, seed, self.context)
         self.guard = CollapseGuard(config.guard)
-        self.length_residual_slope: float | None = None  # fitted by `fit_length_residual` (ppo.length_residual)
+        self.length_residual_slope: float | None = None  # `fit_length_residual` (length_residual: initial)
 
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.bf16)
@@ -155,8 +155,8 @@ class PPOTrainer:
         return metrics
 
     def fit_length_residual(self, replies: ValidationReplies) -> ValidationReplies:
-        """`ppo.length_residual`: fit the reward's slope on log reply length over the initial policy's
-        replies to the held-out prompts and subtract it from every score of the run (scoring.py);
+        """`ppo.length_residual: initial`: fit the reward's slope on log reply length over the initial
+        policy's replies to the held-out prompts and subtract it from every score of the run (scoring.py);
         returns `replies` scored as the rest of the run scores, without scoring them again."""
         slope = fit_length_residual(self.models.scorer, replies.scores, replies.mask)
         self.length_residual_slope = slope
@@ -247,15 +247,15 @@ def _start(
     trainer: PPOTrainer, root: Path, logger: MetricsLogger, samples: SampleTable | None
 ) -> TrainingState:
     """Seed, resume from the newest checkpoint under `root` (the logs rewound to it) and, on a fresh run,
-    fit `ppo.length_residual`'s slope (when on) and validate the initial policy at step 0; returns the
-    state resumed."""
+    fit the `ppo.length_residual: initial` slope (when set) and validate the initial policy at step 0;
+    returns the state resumed."""
     # Each rank its own sampling stream (rank 0's is the single-process one); plans are seeded apart.
     seed_everything(trainer.seed + trainer.context.rank)
     state = trainer.resume(root)
     _rewind(logger, samples, state.step if state.step > 0 else -1)
     if state.step == 0:
         replies, fitted = trainer.validator.sample(), {}
-        if trainer.config.length_residual:
+        if trainer.config.length_residual == "initial":
             replies = trainer.fit_length_residual(replies)
             fitted["reward/length_residual_slope"] = trainer.length_residual_slope
         validation, rewards = trainer.validator.validate(replies)

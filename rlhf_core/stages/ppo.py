@@ -183,7 +183,7 @@ def stage_metrics(
         started = [row for row in critic_rows if row["step"] > result.critic_pretrain_steps]
         if started:
             metrics["critic/explained_variance_pretrained"] = started[0]["values/explained_variance"]
-    if "reward/length_residual_slope" in initial_row:  # ppo.length_residual: the slope taken out of every score
+    if "reward/length_residual_slope" in initial_row:  # length_residual: initial, the slope taken from every score
         metrics["length_residual_slope"] = initial_row["reward/length_residual_slope"]
     metrics.update(sft_reward_length_spearman(history, result.critic_pretrain_steps))
     trained = [row for row in history if row["step"] > 0]
