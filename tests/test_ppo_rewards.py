@@ -1,10 +1,15 @@
 """Score normalisation/scaling with running statistics, the rollout's length residual, and the
 KL-penalised token rewards."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from fixtures.masks import right_padded_mask
+
+from rlhf_core.distributed.collectives import gather_rows
+from rlhf_core.distributed.context import leave_process_group
 
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import (
@@ -128,14 +133,23 @@ def test_length_residual_keeps_the_order_of_equal_lengths_and_constant_lengths()
     assert torch.equal(remove_length_slope(scores, torch.full((4,), 7), one_process), scores)
 
 
-def test_length_residual_over_ranks_equals_the_whole_batch() -> None:
-    """Two ranks holding halves of the rollout, each gathering both halves' rows, give the one-process rows."""
+def residual_of_half(rank: int, store: str, results: str) -> None:
+    """One rank of the test below: its half of `length_paying_batch`, residualised with the real `gather_rows`."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    scores, tokens = length_paying_batch()
+    half = slice(0, 7) if rank == 0 else slice(7, None)  # unequal halves: gather_rows pads and trims rows
+    residual = remove_length_slope(scores[half], tokens[half], gather_rows)
+    leave_process_group()
+    torch.save(residual, f"{results}.{rank}")
+
+
+@pytest.mark.slow  # two gloo processes
+def test_length_residual_over_two_ranks_equals_the_whole_batch(tmp_path: Path) -> None:
+    """Two processes holding unequal halves of the rollout fit the one process's slope on the whole of it."""
     scores, tokens = length_paying_batch()
     whole = remove_length_slope(scores, tokens, one_process)
-    halves = [(scores[:7], tokens[:7]), (scores[7:], tokens[7:])]
-
-    def gathered(rows: torch.Tensor) -> torch.Tensor:  # gather_rows: both ranks' rows (scores are float)
-        return scores if rows.is_floating_point() else tokens
-
-    split = torch.cat([remove_length_slope(s, t, gathered) for s, t in halves])
+    results = tmp_path / "rank"
+    torch.multiprocessing.spawn(residual_of_half, args=(str(tmp_path / "store"), str(results)), nprocs=2)
+    split = torch.cat([torch.load(f"{results}.{rank}") for rank in range(2)])
     torch.testing.assert_close(split, whole)
+    assert not torch.allclose(split[:7], remove_length_slope(scores[:7], tokens[:7], one_process))  # not per rank
