@@ -96,6 +96,10 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     assert (slow.guard.length_window, slow.ppo_epochs) == (4, 1) != (base.guard.length_window, base.ppo_epochs)
     assert by_name["ppo_max-critic_sft"].critic_init == "sft" != base.critic_init
     assert by_name["ppo_max-rollout_length_residual"].length_residual == "every_rollout" != base.length_residual
+    finishing = by_name["ppo_max-every_rollout-window4-no_unfinished_penalty"]
+    assert (finishing.length_residual, finishing.guard.length_window, finishing.unfinished_penalty) == (
+        "every_rollout", 4, 0.0,
+    ) != (base.length_residual, base.guard.length_window, base.unfinished_penalty)  # fmt: skip
     preset_levers = {"ppo_max-kl0.05": {"kl_coef": 0.05}, "ppo_max-critic_sft": {"critic_init": "sft"}}
     for variant in plan.variants:  # of the preset's switches, only these two are levers here
         assert differences(variant, variant.spec.preset) == preset_levers.get(variant.name, {})
