@@ -10,7 +10,6 @@ from fixtures.masks import right_padded_mask
 
 from rlhf_core.distributed.collectives import gather_rows
 from rlhf_core.distributed.context import leave_process_group
-
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import (
     normalize_scores,
