@@ -7,11 +7,11 @@ path unchanged; their multi-rank behaviour is covered by the 2-process equivalen
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.gloo_ranks import on_two_gloo_ranks
 
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.collectives import (
@@ -73,9 +73,8 @@ def test_collectives_of_one_process_return_their_input() -> None:
     torch.testing.assert_close(var, masked_var(x, mask), rtol=1e-6, atol=1e-7)
 
 
-def hash_on_main_rank(rank: int, store: str, results: str) -> None:
-    """One rank of `computed_on_main`'s test: rank 0 answers (and then fails); what each rank got is written down."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def hash_on_main_rank(rank: int) -> dict:
+    """One rank of `computed_on_main`'s test: rank 0 answers (and then fails); what each rank got is returned."""
     calls = []
     answer = computed_on_main(lambda: calls.append(rank) or f"hashed by rank {rank}")
     try:
@@ -85,15 +84,12 @@ def hash_on_main_rank(rank: int, store: str, results: str) -> None:
         failure = type(error).__name__
     leave_process_group()
     left = not torch.distributed.is_initialized()
-    got = {"answer": answer, "calls": calls, "failure": failure, "left": left}
-    Path(f"{results}.{rank}").write_text(json.dumps(got))
+    return {"answer": answer, "calls": calls, "failure": failure, "left": left}
 
 
 @pytest.mark.slow  # two gloo processes
 def test_computed_on_main_runs_on_rank_0_alone_and_every_rank_gets_its_answer_or_its_error(tmp_path: Path) -> None:
-    results = tmp_path / "rank"
-    torch.multiprocessing.spawn(hash_on_main_rank, args=(str(tmp_path / "store"), str(results)), nprocs=2)
-    got = [json.loads(Path(f"{results}.{rank}").read_text()) for rank in range(2)]
+    got = on_two_gloo_ranks(hash_on_main_rank, tmp_path)
     assert got == [
         {"answer": "hashed by rank 0", "calls": [0], "failure": "ZeroDivisionError", "left": True},
         {"answer": "hashed by rank 0", "calls": [], "failure": "ZeroDivisionError", "left": True},

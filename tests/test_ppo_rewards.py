@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures.gloo_ranks import on_two_gloo_ranks
 from fixtures.masks import right_padded_mask
 
 from rlhf_core.distributed.collectives import gather_rows
-from rlhf_core.distributed.context import leave_process_group
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import (
     normalize_scores,
@@ -132,14 +132,11 @@ def test_length_residual_keeps_the_order_of_equal_lengths_and_constant_lengths()
     assert torch.equal(remove_length_slope(scores, torch.full((4,), 7), one_process), scores)
 
 
-def residual_of_half(rank: int, store: str, results: str) -> None:
+def residual_of_half(rank: int) -> torch.Tensor:
     """One rank of the test below: its half of `length_paying_batch`, residualised with the real `gather_rows`."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     scores, tokens = length_paying_batch()
     half = slice(0, 7) if rank == 0 else slice(7, None)  # unequal halves: gather_rows pads and trims rows
-    residual = remove_length_slope(scores[half], tokens[half], gather_rows)
-    leave_process_group()
-    torch.save(residual, f"{results}.{rank}")
+    return remove_length_slope(scores[half], tokens[half], gather_rows)
 
 
 @pytest.mark.slow  # two gloo processes
@@ -147,8 +144,6 @@ def test_length_residual_over_two_ranks_equals_the_whole_batch(tmp_path: Path) -
     """Two processes holding unequal halves of the rollout fit the one process's slope on the whole of it."""
     scores, tokens = length_paying_batch()
     whole = remove_length_slope(scores, tokens, one_process)
-    results = tmp_path / "rank"
-    torch.multiprocessing.spawn(residual_of_half, args=(str(tmp_path / "store"), str(results)), nprocs=2)
-    split = torch.cat([torch.load(f"{results}.{rank}") for rank in range(2)])
+    split = torch.cat(on_two_gloo_ranks(residual_of_half, tmp_path))
     torch.testing.assert_close(split, whole)
     assert not torch.allclose(split[:7], remove_length_slope(scores[:7], tokens[:7], one_process))  # not per rank
