@@ -3,13 +3,12 @@ scores (seeded)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
-from fixtures.benchmarks import import_benchmark
+from fixtures.benchmarks import import_benchmark, write_validation_pairs
 
 
 @pytest.fixture
@@ -49,13 +48,7 @@ def test_the_script_reads_two_output_directories_of_the_same_pairs(
     first, second, log_length = synthetic_scores(1.0, pairs=50)
     tokens = np.expm1(log_length).round().astype(int)
     for name, values in (("reward", first), ("judge", second)):
-        (tmp_path / name).mkdir()
-        rows = [
-            {"prompt": f"p{i}", "chosen": "c", "rejected": "r", "score_chosen": chosen, "score_rejected": rejected,
-             "tokens_chosen": int(tokens[i, 0]), "tokens_rejected": int(tokens[i, 1])}  # fmt: skip
-            for i, (chosen, rejected) in enumerate(values.tolist())
-        ]
-        (tmp_path / name / "validation_pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_validation_pairs(tmp_path / name, values, tokens)
     monkeypatch.setattr("sys.argv", ["rm_agreement.py", str(tmp_path / "reward"), str(tmp_path / "judge")])
     agreement.main()
     out = capsys.readouterr().out
