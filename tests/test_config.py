@@ -148,6 +148,33 @@ def test_explicit_switch_beats_preset() -> None:
     assert config.ppo.kl_coef == PPO_PRESETS["vanilla"]["kl_coef"]
 
 
+@pytest.mark.parametrize(
+    ("former", "mode"),
+    [
+        (["ppo.length_residual=false"], "none"),
+        (["ppo.length_residual=true"], "initial"),
+        (["ppo.length_residual=true", "ppo.rollout_length_residual=false"], "initial"),
+        (["ppo.rollout_length_residual=true"], "every_rollout"),  # beside params.yaml's length_residual: none
+        (["ppo.length_residual=initial", "ppo.rollout_length_residual=false"], "initial"),
+    ],
+)
+def test_the_former_length_residual_switches_are_read_as_the_mode_with_a_warning(former: list[str], mode: str) -> None:
+    with pytest.warns(FutureWarning, match=f"read as ppo.length_residual: {mode}; write that instead"):
+        config = load_config(PARAMS, overrides=former)
+    assert config.ppo.length_residual == mode
+    assert config == load_config(PARAMS, overrides=[f"ppo.length_residual={mode}"])  # the same run, the same hashes
+
+
+@pytest.mark.parametrize(
+    "former", [["ppo.length_residual=true", "ppo.rollout_length_residual=true"], ["ppo.length_residual=every_rollout", "ppo.rollout_length_residual=false"]]
+)
+def test_former_switches_that_mean_no_mode_are_refused_naming_both_keys_and_the_modes(former: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, overrides=former)
+    message = str(err.value)
+    assert "ppo.rollout_length_residual" in message and "none | initial | every_rollout" in message
+
+
 def test_params_yaml_leaves_switches_to_the_preset() -> None:
     """params.yaml must not pin a switch, or choosing the vanilla preset would silently keep it."""
     ppo_section = yaml.safe_load(PARAMS.read_text())["ppo"]

@@ -7,6 +7,7 @@ departs from the paper; the README's switch table names the function that implem
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -17,6 +18,9 @@ from rlhf_core.config.lora import LoraConfig
 
 # How PPO takes the reward's pay for reply length out of its scores (issue 27; docs/length-debias.md).
 LengthResidual = Literal["none", "initial", "every_rollout"]
+# The two booleans it replaced (length_residual, rollout_length_residual), still read from old params
+# and stored deployments (PPOConfig._read_former_length_residual_switches).
+FORMER_LENGTH_RESIDUAL_SWITCHES = {(False, False): "none", (True, False): "initial", (False, True): "every_rollout"}
 
 # The Figure 5 switches a preset sets; everything else in PPOConfig is scale, schedule or bookkeeping.
 PRESET_SWITCHES = (
@@ -181,6 +185,30 @@ class PPOConfig(Section):
         if isinstance(data, dict) and data.get("preset") == "vanilla":
             return {**VANILLA_SWITCHES, **data}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_former_length_residual_switches(cls, data: Any) -> Any:
+        """Params and stored deployments written before the one mode (commit c986427) used two booleans."""
+        if not isinstance(data, dict) or not (
+            isinstance(data.get("length_residual"), bool) or "rollout_length_residual" in data
+        ):
+            return data
+        written = data.get("length_residual", False)  # params.yaml's own mode may stand beside an old overlay's key
+        initial = {"none": False, "initial": True}.get(written, written) if isinstance(written, str) else written
+        switches = (initial, data.get("rollout_length_residual", False))
+        if switches not in FORMER_LENGTH_RESIDUAL_SWITCHES:
+            raise ValueError(
+                f"ppo.length_residual: {written} with ppo.rollout_length_residual: {switches[1]} has no meaning; "
+                "the two former switches are one setting now, ppo.length_residual: none | initial | every_rollout"
+            )
+        mode = FORMER_LENGTH_RESIDUAL_SWITCHES[switches]
+        warnings.warn(
+            f"ppo.length_residual: true/false and ppo.rollout_length_residual are former switches, read as "
+            f"ppo.length_residual: {mode}; write that instead", FutureWarning, stacklevel=2,
+        )  # fmt: skip
+        kept = {key: value for key, value in data.items() if key != "rollout_length_residual"}
+        return {**kept, "length_residual": mode}
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
