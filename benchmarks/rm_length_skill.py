@@ -10,7 +10,7 @@ counting the reply alone as the stage does. Prints one markdown row per director
     python benchmarks/rm_length_skill.py --ensemble runs/rm-seed42 runs/rm-seed1 runs/rm-seed2
 
 adds a row for the models as one ensemble: each reply scored by the mean of the models' standardised scores
-(docs/length-debias.md, "An ensemble of policy reward models"). The directories must hold the same pairs
+(docs/length-debias.md, "More training pairs, fewer, and an ensemble"). The directories must hold the same pairs
 (matched by their source line, so their order may differ); lengths are the first directory's.
 """
 
@@ -60,7 +60,9 @@ def pair_scores(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([r["score_chosen"] for r in rows]), np.array([r["score_rejected"] for r in rows])
 
 
-def skill_of_scores(chosen: np.ndarray, rejected: np.ndarray, rows: list[dict], out_dir: Path) -> tuple[LengthSkill, float, int]:
+def skill_of_scores(
+    chosen: np.ndarray, rejected: np.ndarray, rows: list[dict], out_dir: Path
+) -> tuple[LengthSkill, float, int]:
     """The skill figures, plain accuracy and pair count of these scores of the pairs `rows`."""
     tokens_chosen, tokens_rejected = reply_lengths(rows, out_dir)
     return length_skill(chosen, rejected, tokens_chosen, tokens_rejected), float(np.mean(chosen > rejected)), len(rows)
@@ -82,7 +84,8 @@ def ensemble_scores(tables: list[list[dict]]) -> tuple[np.ndarray, np.ndarray]:
     for rows in tables:
         chosen, rejected = pair_scores(rows)
         both = np.concatenate([chosen, rejected])
-        standardised.append(((chosen - both.mean()) / both.std(), (rejected - both.mean()) / both.std()))
+        mean, std = both.mean(), both.std()
+        standardised.append(((chosen - mean) / std, (rejected - mean) / std))
     return np.mean([c for c, _ in standardised], axis=0), np.mean([r for _, r in standardised], axis=0)
 
 
@@ -92,7 +95,9 @@ def ensemble_skill(out_dirs: list[Path]) -> tuple[LengthSkill, float, int]:
     keys = [[(row["source"], row["line"]) for row in rows] for rows in tables]
     for out_dir, other in zip(out_dirs[1:], keys[1:]):
         if other != keys[0]:
-            raise SystemExit(f"{out_dir} scored other validation pairs than {out_dirs[0]}: an ensemble needs the same pairs")
+            raise SystemExit(
+                f"{out_dir} scored other validation pairs than {out_dirs[0]}: an ensemble needs the same pairs"
+            )
     return skill_of_scores(*ensemble_scores(tables), tables[0], out_dirs[0])
 
 
@@ -117,7 +122,9 @@ def table_row(name: str, skill: LengthSkill, accuracy: float, pairs: int) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dirs", nargs="+", type=Path, help="train-rm or judge-rm output directories")
-    parser.add_argument("--ensemble", action="store_true", help="add a row for the directories' models as one ensemble")
+    parser.add_argument(
+        "--ensemble", action="store_true", help="add a row for the directories' models as one ensemble"
+    )
     arguments = parser.parse_args()
     print(HEADER)
     for out_dir in arguments.out_dirs:

@@ -166,7 +166,11 @@ def test_the_former_length_residual_switches_are_read_as_the_mode_with_a_warning
 
 
 @pytest.mark.parametrize(
-    "former", [["ppo.length_residual=true", "ppo.rollout_length_residual=true"], ["ppo.length_residual=every_rollout", "ppo.rollout_length_residual=false"]]
+    "former",
+    [
+        ["ppo.length_residual=true", "ppo.rollout_length_residual=true"],
+        ["ppo.length_residual=every_rollout", "ppo.rollout_length_residual=false"],
+    ],
 )
 def test_former_switches_that_mean_no_mode_are_refused_naming_both_keys_and_the_modes(former: list[str]) -> None:
     with pytest.raises(ConfigError) as err:

@@ -205,7 +205,7 @@ class PPOConfig(Section):
         mode = FORMER_LENGTH_RESIDUAL_SWITCHES[switches]
         warnings.warn(
             f"ppo.length_residual: true/false and ppo.rollout_length_residual are former switches, read as "
-            f"ppo.length_residual: {mode}; write that instead", FutureWarning, stacklevel=2,
+            f"ppo.length_residual: {mode}; write that instead", FutureWarning,
         )  # fmt: skip
         kept = {key: value for key, value in data.items() if key != "rollout_length_residual"}
         return {**kept, "length_residual": mode}
