@@ -17,21 +17,15 @@ directories must hold the same pairs in the same order, as two stages of one run
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from rm_length_skill import reply_lengths
+from rm_length_skill import read_pairs, reply_lengths
 
 from rlhf_core.reward.length_metrics import LENGTH_MATCH_RATIO
-from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
 from rlhf_core.statistics import spearman, wilson_interval
 
 RESAMPLES = 2000
-
-
-def read_rows(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / VALIDATION_PAIRS_FILE).read_text().splitlines() if line]
 
 
 def scores(rows: list[dict]) -> np.ndarray:
@@ -72,7 +66,7 @@ def main() -> None:
     parser.add_argument("first", type=Path, help="a train-rm or judge-rm output directory (its lengths are used)")
     parser.add_argument("second", type=Path, help="another, scored on the same validation pairs")
     args = parser.parse_args()
-    rows_first, rows_second = read_rows(args.first), read_rows(args.second)
+    rows_first, rows_second = read_pairs(args.first), read_pairs(args.second)
     if [(r["prompt"], r["chosen"]) for r in rows_first] != [(r["prompt"], r["chosen"]) for r in rows_second]:
         raise SystemExit(f"{args.first} and {args.second} hold different validation pairs")
     first, second = scores(rows_first), scores(rows_second)
