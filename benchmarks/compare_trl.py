@@ -9,7 +9,7 @@ Everything after `--` goes to `ppo_throughput.py`; TRL's run mirrors the setting
 (`trl_ppo_throughput.py --settings`). Each round runs ours, then TRL, in the same conditions; with
 several rounds the figures are medians (on a loaded machine the ratio is what to read, not the
 seconds). Prints both resolved configurations side by side, the figures with the ratio ours / TRL,
-and issue 17's targets (samples/s at least 4x TRL's on the tiny model and 2.5x on SmolLM2, at no
+and the targets (samples/s at least 4x TRL's on the tiny model and 2.5x on SmolLM2, at no
 more peak memory). `--baseline-engine hf` also runs ours with that rollout engine in every round
 (before TRL) and checks the generation target: generation time per iteration at most half the
 baseline's. TRL runs with ours' C allocator settings (`--trl-host-allocator mirror`, the default; see
@@ -32,8 +32,8 @@ from generation_bounds import print_generation
 
 HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
-SAMPLES_PER_S_TARGETS = {"tiny": 4.0, "smollm2": 2.5}  # issue 17's targets, ours / TRL
-GENERATION_TARGET = 0.5  # issue 17: generation s / iteration at most half the baseline engine's
+SAMPLES_PER_S_TARGETS = {"tiny": 4.0, "smollm2": 2.5}  # targets, ours / TRL
+GENERATION_TARGET = 0.5  # generation s / iteration at most half the baseline engine's
 HIDDEN_SETTINGS = {"model_config"}  # long, and equal by construction (TRL builds from it)
 FIGURES = (  # (label, path in the report)
     ("samples/s", ("samples_per_s",)),

@@ -1,4 +1,4 @@
-"""How fast generation could be on this machine, and how close a run came: the bounds of issue 17.
+"""How fast generation could be on this machine, and how close a run came: the generation bounds.
 
 A decode step of a batch of B replies multiplies B rows by every weight matrix once, so it cannot be
 faster than the time to stream all the weights from memory (`bandwidth bound`), nor than the time to do

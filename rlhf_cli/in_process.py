@@ -22,7 +22,7 @@ settings when Prefect is first imported (inside the command). `in_process_flow` 
 An orderly stop: Prefect turns SIGTERM into an exception inside a flow run, marks the run Crashed, and
 then sends SIGTERM again to whatever handler was there before; with Python's default one the process died
 on the spot, without its exit handlers, and left the temporary server running, re-parented to PID 1 and
-listening on its port (issue 30). Here SIGINT and SIGTERM raise in the main thread from start to end, and
+listening on its port. Here SIGINT and SIGTERM raise in the main thread from start to end, and
 again where Python swallowed the exception in a destructor (the flow logs the stage it stopped in,
 flows/pipeline.py); once Prefect has marked the flow run, the command sends the run's last log lines,
 stops the server, says in one line that it stopped and exits with 128 + the signal, all within

@@ -13,7 +13,7 @@
   same pairs; kappa discounts the agreement two judges would reach by chance given how often each
   gives each verdict.
 - `spearman`: the rank correlation of a judge's scores with reply length; a reward model that pays for
-  length (or for brevity) shows it here whatever the replies say (issue 27).
+  length (or for brevity) shows it here whatever the replies say.
 - `length_slope`: the least-squares slope of scores on log(1 + reply tokens), which the `length_residual`
   settings subtract (docs/length-debias.md).
 

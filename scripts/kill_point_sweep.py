@@ -1,4 +1,4 @@
-"""Kill-point sweep of a whole `rlhf run` on the tiny config (issue 30).
+"""Kill-point sweep of a whole `rlhf run` on the tiny config.
 
     python3 scripts/kill_point_sweep.py [--points 20] [--seed 0] [--workdir DIR] [--keep]
 

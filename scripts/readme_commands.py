@@ -3,7 +3,7 @@
     python3 scripts/readme_commands.py [--doc README.md] [--keep DIR]
 
 A new user copies these commands; this script runs them the way that user would, so that a command
-that fails after `rlhf run` (issue 16) shows here first. For each document, in order:
+that fails after `rlhf run` shows here first. For each document, in order:
 1. `git clone`s this repository's HEAD into a directory of its own and makes `../shared/data` beside
    the clone point at this checkout's, so the Quickstart's data path resolves as written;
 2. replaces the clone's params.yaml by the resolved tiny configuration (`rlhf config show -c

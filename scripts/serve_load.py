@@ -3,7 +3,7 @@
     python3 scripts/serve_load.py --model MODEL [--url URL] [--requests 200] [--concurrency 200]
         [--bad-fraction 0.25] [--max-tokens 8] [--rounds 1] [--workers 1] [--json FILE]
 
-Issue 30 asks that the registered chat model, served with `mlflow models serve`, answer 200 concurrent
+The registered chat model, served with `mlflow models serve`, should answer 200 concurrent
 requests, good ones and malformed or oversized ones, with clear 4xx errors, no crash, memory bounded
 and every good request answered. This script does that and reports what happened:
 1. starts `mlflow models serve -m MODEL` (a saved model directory or a `models:/name@alias` URI; the

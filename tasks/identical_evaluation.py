@@ -1,4 +1,4 @@
-"""The evaluate stage of a pipeline run whose PPO policy is the SFT model by content: not evaluated (issue 28).
+"""The evaluate stage of a pipeline run whose PPO policy is the SFT model by content: not evaluated.
 
 A PPO run whose selection hands on its start (step 0) installs the SFT model's own files as its model/
 (rlhf_core/stages/ppo.py), so the policy's content hash (a training stage's `StageOutput.sha256`: the hash

@@ -1,6 +1,6 @@
 """What the promotion gate reads of the challenger against its baseline, and how that evidence was had.
 
-No comparison is made twice (issue 28). flows/promote.py has the evidence one of three ways:
+No comparison is made twice. flows/promote.py has the evidence one of three ways:
 - evaluated: the evaluate task ran (tasks/evaluation.py), generating both models' replies and judging them;
 - reused: the evaluate task's cache answered. Its key is the content of the data, of both models and of
   the judge, the config sections it reads and the code (tasks/caching.py), never a path, and a record

@@ -4,7 +4,7 @@ Both clients already wait for their server, with bounded retries and exponential
 - MLflow's HTTP client retries a refused or broken connection MLFLOW_HTTP_REQUEST_MAX_RETRIES times
   (default 7, backoff factor MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR 2: about 4 minutes) before it raises;
 - Prefect's client retries a refused connection, to a server it has reached before, PREFECT_CLIENT_MAX_RETRIES
-  times (Prefect's default 5 is about 1 minute, which the minute-long outage of issue 30 used up; `rlhf run`
+  times (Prefect's default 5 is about 1 minute, which a minute-long outage used up; `rlhf run`
   makes it 7, about 4 minutes like MLflow's, unless the variable is set: `CLIENT_RETRY_SETTINGS`).
 So a server that comes back within those minutes costs the run that wait and nothing else: the stage goes on
 where it was (tests/test_service_outages.py stops each server mid-stage and starts it again).

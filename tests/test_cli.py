@@ -81,7 +81,7 @@ def test_prepare_data_on_the_shared_hh_pairs(tmp_path: Path) -> None:
     assert report["rows_read"] == 1800
     assert report["drops"]["empty_reply"]["count"] == 4
     assert report["drops"]["malformed_turns"]["count"] == 5
-    assert report["split_counts"]["rm_val"] >= 300  # issue 3 reports RM accuracy on >= 300 pairs
+    assert report["split_counts"]["rm_val"] >= 300  # RM accuracy is reported on >= 300 pairs
 
 
 @pytest.mark.slow

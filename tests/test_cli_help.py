@@ -1,4 +1,4 @@
-"""`rlhf ... --help` as a reader meets it (issue 31 item 6): every help page is free of type tags
+"""`rlhf ... --help` as a reader meets it: every help page is free of type tags
 (`<bool>`, `<str>`), `rlhf run --stage` names every pipeline stage, and README.md's table of each
 command's options says exactly what that command's `--help` lists, for every command there is.
 

@@ -1,4 +1,4 @@
-"""Input checks that need no service run before Prefect starts, as one line (issue 31 item 8).
+"""Input checks that need no service run before Prefect starts, as one line.
 
 - `BaseReference.check` (tasks/ablation_base.py), without MLflow: no base and an input missing, a base
   that cannot name a run, an input directory that is not a complete stage output, a missing judge

@@ -1,4 +1,4 @@
-"""Sizes a newcomer can read (issue 29): no package of `rlhf_core` above 25 modules, no source file outside
+"""Sizes a newcomer can read: no package of `rlhf_core` above 25 modules, no source file outside
 tests/ above 450 lines, no function or method above 60 lines (decorators to last line, docstring
 included). Read from the source with `ast`, so nothing is imported.
 """

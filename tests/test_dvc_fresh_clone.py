@@ -1,4 +1,4 @@
-"""A fresh clone and the raw data (issue 31 item 1): `rlhf data status` says in one line where data/raw
+"""A fresh clone and the raw data: `rlhf data status` says in one line where data/raw
 stands and what to do first, with exit 0, in each state a checkout can be in: no data in the commit
 (a fresh clone of this repository), recorded but not pulled, edited, and a version ready for
 `dvc repro`. In a fresh clone of this repository `dvc pull` and `dvc status` exit 0 as well."""

@@ -178,7 +178,7 @@ def test_every_stage_tracks_existing_sections_of_params_yaml(stages: dict[str, P
 def test_no_stage_output_is_cached_and_everything_lies_in_the_stage_directory(
     stages: dict[str, PipelineStage],
 ) -> None:
-    """DVC versions the raw data only; a fresh clone has no stage output to pull (issue 31)."""
+    """DVC versions the raw data only; a fresh clone has no stage output to pull."""
     for name, stage in stages.items():
         for out in stage.outs:
             assert out.def_path.startswith(STAGE_OUT_DIRS[name] + "/"), out.def_path

@@ -163,7 +163,7 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
 @pytest.mark.slow
 def test_eval_with_stderr_in_a_file_writes_no_bars_or_warnings_there(eval_inputs, tmp_path: Path) -> None:
     """A fresh `rlhf eval` (as a user runs it) loads its models: transformers' "Loading weights" bars and the
-    libraries' warnings stay out of the redirected stderr (issue 31)."""
+    libraries' warnings stay out of the redirected stderr."""
     stderr_file = tmp_path / "stderr.txt"
     command = [*RLHF_COMMAND, "eval"]
     command += ["--params", str(PARAMS)]

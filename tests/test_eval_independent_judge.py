@@ -1,11 +1,11 @@
-"""The independent judge reward model (`evaluation.judge_rm: independent`, issue 6 scope item 3).
+"""The independent judge reward model (`evaluation.judge_rm: independent`).
 
 - rlhf_core: `run_judge_rm` trains on the PPO-prompt split's pairs, from the base model, and its
   training_data.json names the file it read (checked against the file's bytes): not one of its prompts
   is a prompt the policy reward model (rm_train), SFT, validation or evaluation saw.
 - config: `independent` is the default (and every eval prompt is judged); a bad `evaluation.judge_rm` is
   an error naming the key and the allowed values.
-- `evaluation.judge_base_model` (issue 27): null keeps the policy's base model; set, the judge trains from
+- `evaluation.judge_base_model`: null keeps the policy's base model; set, the judge trains from
   that model (here a tiny model of another shape), and it, not the policy's, makes the judge-reward
   stage's cache key; a bad value or an in-sample judge with it is an error naming the key.
 - the pipeline, in this process against a real Prefect server and a SQLite MLflow store: with

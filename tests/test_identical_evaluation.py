@@ -1,4 +1,4 @@
-"""A PPO run that hands on its start is not evaluated against its SFT model (issue 28): the pipeline's evaluate
+"""A PPO run that hands on its start is not evaluated against its SFT model: the pipeline's evaluate
 step (flows/pipeline.py `evaluate_policy`) generates and judges nothing, and records why in the stage's output,
 the MLflow parent run, the tags the policy is registered with and the run's summary; a policy that differs is
 evaluated. No Prefect server: the evaluate task, which needs one, is stood in for where a call is expected."""

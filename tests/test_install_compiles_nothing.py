@@ -1,4 +1,4 @@
-"""The README's install compiles nothing (issue 28): it once spent ten minutes building llama.cpp for
+"""The README's install compiles nothing: it once spent ten minutes building llama.cpp for
 `llama-cpp-python`, a dependency of a dependency the project never imports.
 
 pip resolves the project's dependencies and dev extra under constraints.txt, as the README's command

@@ -1,4 +1,4 @@
-"""Who judged, worded once (issue 31 item 3): the run summary's `evaluation:` line and report.md name the
+"""Who judged, worded once: the run summary's `evaluation:` line and report.md name the
 same judge in the same words (`JudgeInfo.role`): the independent judge reward model, the in-sample
 reward model, another reward model, an LLM or people."""
 

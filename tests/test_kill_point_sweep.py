@@ -1,4 +1,4 @@
-"""The kill-point sweep of a whole `rlhf run` (issue 30), short: SIGKILL inside the evaluation, and inside
+"""The kill-point sweep of a whole `rlhf run`, short: SIGKILL inside the evaluation, and inside
 the registration once the first model's files reach the MLflow store, before any version exists; rerun
 each to the end, and compare every model file, the evaluation and the registry with an uninterrupted run.
 scripts/kill_point_sweep.py runs the full sweep (20 points or more, stage boundaries included) with the

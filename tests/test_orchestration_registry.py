@@ -2,7 +2,7 @@
 that stops at the end-of-turn token and answers /invocations with one OpenAI chat completion naming its
 registered version, the reward model as a scorer, versions are reused for unchanged content, and the
 `challenger` alias follows the newest policy. Both registered models are stored as a code file and
-safetensors, and load without unpickling anything (issue 30)."""
+safetensors, and load without unpickling anything."""
 
 import pickle
 from pathlib import Path

@@ -117,7 +117,7 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
     assert checks["win_minus_loss_low"].value == promotion_run.data.metrics["final.win_minus_loss_low"]
     # The registered challenger is the trained policy: its evaluation against SFT gives the same figures.
     assert checks["win_minus_loss_low"].value == pytest.approx(evaluation.metrics["win_minus_loss_low"])
-    # It is the pipeline's very evaluation, read back: the same policy, SFT, data and judge by content (issue 28).
+    # It is the pipeline's very evaluation, read back: the same policy, SFT, data and judge by content.
     assert promotion.evaluation_run_id == evaluation.mlflow_run_id
     assert promotion.evaluation_note is not None and promotion.evaluation_note.startswith("reused the evaluation")
     assert checks["kl_to_reference"].value == pipeline.outputs["ppo"].metrics["val/kl_best"]

@@ -1,4 +1,4 @@
-"""`rlhf run` stopped by a signal during a stage (issue 30), as a real process on Prefect's temporary server.
+"""`rlhf run` stopped by a signal during a stage, as a real process on Prefect's temporary server.
 
 SIGTERM to the command (as a service manager or `kill` sends it) and Ctrl-C at a terminal (SIGINT to its
 whole process group) must each stop it within 10 s with nothing it started left running: no process of

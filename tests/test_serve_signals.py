@@ -1,4 +1,4 @@
-"""`rlhf serve` stops within 5 s of SIGINT or SIGTERM (issue 31 item 7), as a real process against a
+"""`rlhf serve` stops within 5 s of SIGINT or SIGTERM, as a real process against a
 real Prefect server of its own: SIGINT while the server answers (a clean shutdown, the schedules
 paused, status 0), and SIGTERM after the server is gone (the case that used to take more than 20 s:
 every shutdown call to the API was retried; now it stops at the deadline and says why).

@@ -1,5 +1,5 @@
 """The MLflow tracking server and the Prefect API stopped in the middle of `rlhf run` and started again on the
-same port and store (issue 30; tasks/service_outages.py).
+same port and store (tasks/service_outages.py).
 
 - Each away for OUTAGE_S in the middle of a training stage of one whole run (the issue says a minute; 20 s
   shows the same behaviour, as both clients wait minutes): the run waits and goes on, ends with the outputs

@@ -1,4 +1,4 @@
-"""The served chat policy under bad input and load (issue 30): refused with 400 and a message naming the
+"""The served chat policy under bad input and load: refused with 400 and a message naming the
 field and its bound, never a crash, never a generation longer than the model's context.
 
 - `parse_request`: missing fields, wrong types (strict: "8" and true are not integers), out-of-range
@@ -10,7 +10,7 @@ field and its bound, never a crash, never a generation longer than the model's c
   that ends within the context.
 - MLflow's scoring server (what `mlflow models serve` runs), in this process: malformed JSON, missing
   and mistyped fields and a huge `max_tokens` get 400 with the reason; a good request gets 200.
-- Slow: `mlflow models serve` on the saved model under scripts/serve_load.py's load (issue 30): two bursts
+- Slow: `mlflow models serve` on the saved model under scripts/serve_load.py's load: two bursts
   of 200 requests, all 200 in flight at once, a quarter of them malformed, oversized or out of range:
   every good one answered with a chat completion, every bad one refused with 400, the server still up,
   and its process tree's resident memory after the second burst within MEMORY_ROUND_BOUND_MIB of the

@@ -191,7 +191,7 @@ def command_env(**extra: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_rlhf_sft_command_with_stderr_in_a_file(multi_turn_data_dir: Path, tmp_path: Path) -> None:
     """The summary on stdout, nothing on the redirected stderr: DeepSpeed does not warn, transformers'
-    "Writing model shards" bar is off, other libraries' messages are in the log file the command names (issue 31)."""
+    "Writing model shards" bar is off, other libraries' messages are in the log file the command names."""
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("w") as stderr:
         result = subprocess.run(
@@ -221,7 +221,7 @@ def test_on_a_terminal_rlhf_quiet_turns_the_libraries_bars_off_too(
     multi_turn_data_dir: Path, tmp_path: Path, quiet: str
 ) -> None:
     """On a terminal transformers draws its bar, as the project draws its own; RLHF_QUIET=1 turns both off
-    (issue 30: the libraries' bars came through). DeepSpeed's warning goes to the log file either way."""
+    (the libraries' bars once came through). DeepSpeed's warning goes to the log file either way."""
     status, stdout, terminal = run_with_terminal_stderr(
         rlhf_sft_command(multi_turn_data_dir, tmp_path / "sft"), tmp_path, command_env(RLHF_QUIET=quiet), timeout_s=300
     )

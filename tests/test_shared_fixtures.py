@@ -1,4 +1,4 @@
-"""The suite's shared pieces stay in one place (issue 29): no test module works out the repository's root
+"""The suite's shared pieces stay in one place: no test module works out the repository's root
 itself (tests/fixtures/paths.py does), redefines a fixture that conftest.py or its plugins provide, or
 holds a copy of a function or class that another test module or tests/fixtures/ already defines.
 

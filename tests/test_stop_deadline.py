@@ -24,7 +24,7 @@ from fixtures.processes import group_processes
 from flows.stop_signals import with_deadline
 from rlhf_cli.in_process import TEMPORARY_SERVER_SETTINGS
 
-STOP_DEADLINE_S = 10  # what issue 30 asks
+STOP_DEADLINE_S = 10  # a stop within 10 s
 START_DEADLINE_S = 300  # a guard for a slow start (Prefect's temporary server), not a measurement
 
 FLOW_WITH_A_TASK_IN_A_THREAD = """

@@ -1,4 +1,4 @@
-"""A full or read-only output file system ends a stage command in one line naming the output (issue 30).
+"""A full or read-only output file system ends a stage command in one line naming the output.
 
 - `naming_failed_writes` blames the file system for an OSError with its errno anywhere in the chain
   (a refused read of an input excepted), for safetensors' quoted "No space left on device (os error

@@ -11,7 +11,7 @@ judge's verdicts against the SFT start). A row holds, per variant:
   held-out PPO prompts, with its 95% interval (`val/reward_gain`, `_low`, `_high`);
 - the judge's win rate minus lose rate against the SFT model on the evaluation prompts, with its 95%
   paired bootstrap interval (`win_minus_loss`, `_low`, `_high`), and its mean score difference;
-- what length cannot fake (issue 27, docs/evaluation.md): the length-controlled win rate with its
+- what length cannot fake (docs/evaluation.md): the length-controlled win rate with its
   interval (`lc_win_rate`, `_low`, `_high`), the judge's win - lose on the length-matched pairs and
   their count (`length_matched/...`), and the evaluation-time length ratio, variant over SFT;
 - where the collapse guard stopped the run and why (None: it ran to the end);

@@ -16,7 +16,7 @@ from rlhf_core.config.base import Section, check_ratio_band
 from rlhf_core.config.generation import RolloutConfig
 from rlhf_core.config.lora import LoraConfig
 
-# How PPO takes the reward's pay for reply length out of its scores (issue 27; docs/length-debias.md).
+# How PPO takes the reward's pay for reply length out of its scores (docs/length-debias.md).
 LengthResidual = Literal["none", "initial", "every_rollout"]
 # The two booleans it replaced (length_residual, rollout_length_residual), still read from old params
 # and stored deployments (PPOConfig._read_former_length_residual_switches).

@@ -1,6 +1,6 @@
 """The length-controlled win rate of AlpacaEval 2.0 (Dubois et al. 2024, arXiv 2404.04475).
 
-Judges prefer longer replies, and PPO learns reply length before anything else (issue 27), so a raw
+Judges prefer longer replies, and PPO learns reply length before anything else, so a raw
 win rate mixes "A is better" with "A is longer (or shorter) where the judge likes that". The
 length-controlled win rate asks what the judge would prefer if both replies had the same length: a
 logistic model of the judge's preference for A,

@@ -1,4 +1,4 @@
-"""Length-matched pairs, drawn judge-blind (issue 27; docs/evaluation.md).
+"""Length-matched pairs, drawn judge-blind (docs/evaluation.md).
 
 A judge that prefers long (or short) replies can make a model look better than it is; comparing only
 pairs of similar length takes that lever away. The main replies rarely have similar lengths once PPO

@@ -1,7 +1,7 @@
 """The evaluation report (paper section 6): win/tie/lose of model A against model B, with uncertainty and
 the usual confounders in view.
 
-Length first (issue 27): PPO learns reply length before anything else and judges reward it, so the
+Length first: PPO learns reply length before anything else and judges reward it, so the
 headline is what length cannot fake:
 - the length-controlled win rate (AlpacaEval 2.0; length_control.py) with its bootstrap interval,
 - the outcome over length-matched pairs, drawn judge-blind from several replies per prompt and model
@@ -53,7 +53,7 @@ from rlhf_core.statistics import (
 )
 
 CONFIDENCE = 0.95
-MIN_LENGTH_MATCHED_PAIRS = 60  # issue 27: fewer length-matched pairs than this are too few to lean on
+MIN_LENGTH_MATCHED_PAIRS = 60  # fewer length-matched pairs than this are too few to lean on
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """report.md: the figures of an `EvaluationReport` for people.
 
-It leads with what reply length cannot fake (issue 27; report.py says why): the length-controlled win
+It leads with what reply length cannot fake (report.py says why): the length-controlled win
 rate, the length-matched pairs (with a warning when there are fewer than `MIN_LENGTH_MATCHED_PAIRS`),
 the length ratio and mean lengths; then the plain win/tie/lose table, the judge's score difference,
 the alignment tax, agreement with other judges and the judge's own figures.

@@ -11,7 +11,7 @@ them every iteration. Conventions, so the numbers mean the same everywhere:
 
 The paper reads collapse from these: reward rising while the KL to the reference grows, response
 perplexity falling, response length drifting (its Figure 4); `guard.py` turns them into bounds.
-`reward/length_spearman` shows how much the reward pays for length alone (issue 27); averaged over the
+`reward/length_spearman` shows how much the reward pays for length alone; averaged over the
 rollouts before the policy's first update, the SFT policy's replies, it is the PPO stage's
 `reward_length_spearman_sft`.
 """

@@ -17,7 +17,7 @@ Two steps, both from the paper:
    statistics to catch the reversed order on the first batch.
 
 Optionally, before step 1, ``remove_length_slope`` takes out of a rollout's scores their linear
-dependence on log reply length (`ppo.length_residual: every_rollout`, issue 27; docs/length-debias.md).
+dependence on log reply length (`ppo.length_residual: every_rollout`; docs/length-debias.md).
 
 2. Token-level KL penalty (sections 3.1 and 5.3.2): every real token t gets
    ``r_t = -eta * KL_t`` (KL_t from ``kl.kl_k1``), and the processed score is added at the last

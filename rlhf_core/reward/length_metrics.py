@@ -1,4 +1,4 @@
-"""How much a reward model knows beyond reply length (issue 27; defined in docs/stages-sft-rm.md).
+"""How much a reward model knows beyond reply length (defined in docs/stages-sft-rm.md).
 
 In preference data such as HH-RLHF harmless the chosen reply is more often the shorter one, so plain
 accuracy rewards a model that has only learnt "shorter is better". These figures separate the two:
@@ -174,7 +174,7 @@ class LengthSkill:
         return (self.chosen_shorter.accuracy + self.chosen_longer.accuracy) / 2
 
     def figures(self, prefix: str = "") -> dict[str, float]:
-        """The flat metrics.json names (issue 27's contract), each with `prefix`; undefined ones left out."""
+        """The flat metrics.json names (the contract the reports and the registry read), each with `prefix`; undefined ones left out."""
         figures: dict[str, float | None] = {
             "length_rule_accuracy": self.length_rule_accuracy,
             "length_rule_prefers_shorter": float(self.length_rule_prefers_shorter),
