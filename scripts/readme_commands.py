@@ -70,7 +70,7 @@ EXPECTED_OUTPUT = {"curl ": '"choices"', "rlhf data status": "`rlhf data add FIL
 # of the challenger against the champion exits 3 here, since after the first promotion both are one model.
 REFUSAL_STATUS = {"rlhf promote": 3, "rlhf eval --a models:/rlhf-policy@challenger --b models:/rlhf-policy@champion": 3}
 NEEDS_CHAMPION = "@champion"  # there is a champion only after the first promotion (the UI's Run of rlhf-promote)
-DOCS = ("README.md", "data/README.md")
+DOCS = ("README.md", "docs/orchestration.md", "data/README.md")
 # Rows of the example files. data/README.md's new-pairs.jsonl is the whole raw data its `dvc repro`
 # trains on: enough for every tiny stage (the judge reward model trains on a quarter of it).
 EXAMPLE_ROWS = {"README.md": 24, "data/README.md": 400}
