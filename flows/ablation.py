@@ -8,14 +8,14 @@ configuration, and remote execution. The flow
 1. resolves the base configuration and every variant's configuration and validates them all
    (rlhf_core/ablation/grid.py): a bad key fails the run naming the variant and the key, before any
    work and before any MLflow run exists;
-2. finds the base's inputs (tasks/ablation_base.py) and gives the ablation its own directory
+2. finds the base's inputs (tasks/ablation/base.py) and gives the ablation its own directory
    `<runs_dir>/ablations/<created>-<id>/`;
 3. opens the MLflow parent run (tags: the code's lineage, `rlhf.flow: rlhf-ablation`, the grid, and
    the base's lineage as `base.*`);
 4. picks the one judge every variant is evaluated by: the base's independent judge reward model, or
    one trained here on the base's data (cached) when the base has none, or as `evaluation` asks
    (`judge_rm: in_sample` judges with the base's reward model, flagged; `judge: llm` the LLM judge);
-5. runs every variant's PPO task (tasks/ablation.py; cached on base content + resolved settings,
+5. runs every variant's PPO task (tasks/ablation/variant_tasks.py; cached on base content + resolved settings,
    resumable, one at a time under this machine's training slot or concurrently on the GPU pool) and,
    as each finishes, its evaluation against the SFT model;
 6. writes the comparison into `<ablation>/comparison/`, logs it on the parent run and publishes it as
@@ -33,9 +33,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
+from flows.run_settings import RunSettings
 from rlhf_core.ablation.comparison import ComparisonRow
 from rlhf_core.ablation.grid import (
     AblationPlan,
@@ -45,8 +46,7 @@ from rlhf_core.ablation.grid import (
     read_grid,
 )
 from rlhf_core.config import Config
-from rlhf_core.layout import RUNS_DIR
-from tasks.ablation import (
+from tasks.ablation.variant_tasks import (
     REMOTE_STAGE,
     VariantOutcome,
     comparison_task,
@@ -54,17 +54,18 @@ from tasks.ablation import (
     upload_base_task,
     variant_files,
 )
-from tasks.ablation_base import AblationBase, BaseReference, resolve_base
-from tasks.evaluation import JudgeSpec, judge_spec
-from tasks.lineage import code_tags, flow_run_tags
-from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
-from tasks.outputs import StageOutput
-from tasks.preflight import check_services, stage_store_services, tracking_services
-from tasks.remote import RemoteStages
-from tasks.stage_runs import StageContext
-from tasks.stages import train_judge_reward
-from tasks.tracking import resolve_tracking_uri
-from tasks.transfer import join_uri
+from tasks.ablation.base import AblationBase, BaseReference, resolve_base
+from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec
+from tasks.tracking.lineage import code_tags, flow_run_tags
+from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
+from rlhf_core.stage_outputs import StageOutput
+from tasks.services.probes import check_services
+from tasks.preflight import stage_store_services, tracking_services
+from tasks.stages.remote import RemoteStages
+from tasks.stages.stage_runs import StageContext
+from tasks.stages.stage_tasks import train_judge_reward
+from tasks.tracking.metrics_logger import resolve_tracking_uri
+from tasks.execution.transfer import join_uri
 
 FLOW_NAME = "rlhf-ablation"
 FLOW_TAG = "rlhf.flow"
@@ -78,10 +79,10 @@ class VariantsFailedError(RuntimeError):
     """Some variants of an ablation failed; the others were compared, and a rerun runs only the failed ones."""
 
 
-class AblationSettings(BaseModel):
-    """What an ablation run is asked to do (the form of the Run dialog in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class AblationSettings(RunSettings):
+    """What an ablation run is asked to do (the form of the Run dialog in the Prefect UI). `config`,
+    `overrides` and `params_file` make the base configuration; `remote.stages: [ppo]` runs the variants on
+    the rlhf-stage deployment's pool."""
 
     grid: str = Field(DEFAULT_GRID, description="The grid file: named variants, each a preset plus ppo.* overrides.")
     variants: list[VariantSpec] = Field(
@@ -98,14 +99,6 @@ class AblationSettings(BaseModel):
     reward: str | None = Field(None, description="Reward-model stage output directory, instead of the base's.")
     judge: str | None = Field(
         None, description="Judge reward model (directory or models:/ URI), instead of the base's independent one."
-    )
-    config: list[str] = Field(default_factory=list, description="Overlay YAML files for the base configuration.")
-    overrides: list[str] = Field(default_factory=list, description="key.path=value overrides of the base configuration.")
-    params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field(str(RUNS_DIR), description="Where the ablation's directory and the stage cache are written.")
-    remote: RemoteStages = Field(
-        default_factory=RemoteStages,
-        description="stages: [ppo] runs the variants on the rlhf-stage deployment's pool (files via remote.store).",
     )
 
     @model_validator(mode="after")
@@ -156,7 +149,7 @@ class AblationResult(BaseModel):
 
 @task(name="ablation-base", cache_policy=NO_CACHE)
 def resolve_base_task(reference: BaseReference, config: Config, tracking_uri: str, cache_dir: Path) -> AblationBase:
-    """The base's inputs, found and hashed (tasks/ablation_base.py)."""
+    """The base's inputs, found and hashed (tasks/ablation/base.py)."""
     return resolve_base(
         reference, tracking_uri, config.tracking.experiment, config.tracking.reward_model_name, cache_dir / REGISTRY_CACHE_SUBDIR
     )

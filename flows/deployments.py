@@ -33,8 +33,8 @@ from flows.remote_stage import rlhf_stage
 from flows.retrain import rlhf_retrain
 from rlhf_core.evaluation.outputs import GENERATIONS_FILE
 from rlhf_core.layout import HUMAN_EVAL_DIR, default_output_dir
-from tasks.data_events import DATA_PUSHED_EVENT, RESOURCE_PREFIX
-from tasks.remote import STAGE_DEPLOYMENT_NAME
+from tasks.data.data_events import DATA_PUSHED_EVENT, RESOURCE_PREFIX
+from tasks.stages.remote import STAGE_DEPLOYMENT_NAME
 
 TAGS = ("rlhf",)
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00
@@ -61,7 +61,7 @@ class DeploymentSpec:
     triggers: tuple[DeploymentEventTrigger, ...] = ()  # events that start a flow run (Prefect automations)
 
 
-# A new data version from `rlhf data add` starts a retraining on that version (tasks/data_events.py). The
+# A new data version from `rlhf data add` starts a retraining on that version (tasks/data/data_events.py). The
 # trigger sends the whole `settings` parameter, so it names the default's `data` too, from the event.
 RETRAIN_ON_NEW_DATA = DeploymentEventTrigger(
     name="rlhf-retrain on new data",

@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, batches, open_session
 from rlhf_core.evaluation.outputs import read_verdicts
-from tasks.human_eval import ask_pairs, generate_pairs_task, report_task
+from tasks.evaluation.human_eval import ask_pairs, generate_pairs_task, report_task
 
 DEFAULT_PAUSE_TIMEOUT_S = 24 * 3600
 DEFAULT_POLL_INTERVAL_S = 10

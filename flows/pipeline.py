@@ -4,12 +4,12 @@ Its one parameter is a pydantic model (`PipelineSettings`), which the Prefect UI
 config overlays and overrides, the data source, and the stages to run. The flow
 
 1. resolves and validates the configuration (a bad key fails the run before any work),
-2. versions the data source (tasks/data_source.py),
+2. versions the data source (tasks/data/data_source.py),
 3. gives the run its own directory `<runs_dir>/<created>-<id>/`, so a scheduled run and a manual one
    never write to the same place; the id part is the END of the flow-run id, since Prefect's ids are
    UUIDv7, whose first characters encode the creation time and are shared by runs created close
    together,
-4. opens the MLflow parent run with the lineage tags (tasks/lineage.py),
+4. opens the MLflow parent run with the lineage tags (tasks/tracking/lineage.py),
 5. runs the stage tasks in order, but for the judge-reward stage, which needs only the prepared data: it
    trains beside SFT and the reward model, in its own process on half the cores (`run_training_stages`);
    a stage whose inputs are unchanged is a cache hit and hands on its
@@ -19,7 +19,7 @@ config overlays and overrides, the data source, and the stages to run. The flow
    a second reward model on the PPO-prompt split to judge with; `in_sample` judges with the one PPO
    optimised against). A policy whose content is the SFT model's (PPO handed on its start) is not
    evaluated against it: the stage records "identical models, not evaluated" and why instead
-   (tasks/identical_evaluation.py). Register registers the reward model, that judge and the policy, and
+   (tasks/evaluation/identical_evaluation.py). Register registers the reward model, that judge and the policy, and
    tags the policy version with its evaluation, its judge's version and the stage outputs it came from,
 6. closes the parent run FINISHED, or FAILED with the error of the stage that failed, and re-raises
    that error, marked with the stage (flows/failed_stage.py), so the flow run is Failed with it; a
@@ -41,29 +41,30 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from flows.failed_stage import mark_failed_stage
+from flows.run_settings import RunSettings
 from flows.stage_branch import BesideStage
 from flows.stage_clock import StageClock
 from flows.stop_signals import signal_name, stop_signal
 from rlhf_core.config import Config, load_config
-from rlhf_core.layout import RUNS_DIR
-from tasks.caching import with_cache_dir
-from tasks.concurrency import shared_training_slot
-from tasks.core_share import branch, core_shares, stage_threads
-from tasks.data_source import DataSource, resolve_data_source, with_data_source
-from tasks.evaluation import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
-from tasks.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
-from tasks.lineage import data_tags, pipeline_tags
-from tasks.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
-from tasks.outputs import StageOutput
-from tasks.preflight import check_services, stage_store_services, tracking_services
-from tasks.registry import RegisteredVersion, lineage_output_tags
-from tasks.remote import RemoteStages, run_training_stage
-from tasks.registration import register_task
-from tasks.stage_runs import StageContext
-from tasks.stages import ppo_task, prepare_data_task, reward_task, sft_task, train_judge_reward
+from tasks.execution.caching import with_cache_dir
+from tasks.execution.concurrency import shared_training_slot
+from tasks.execution.core_share import branch, core_shares, stage_threads
+from tasks.data.data_source import DataSource, resolve_data_source, with_data_source
+from tasks.evaluation.evaluate_task import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
+from tasks.evaluation.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
+from tasks.tracking.lineage import data_tags, pipeline_tags
+from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
+from rlhf_core.stage_outputs import StageOutput
+from tasks.services.probes import check_services
+from tasks.preflight import stage_store_services, tracking_services
+from tasks.registry.registered_models import RegisteredVersion, lineage_output_tags
+from tasks.stages.remote import RemoteStages, run_training_stage
+from tasks.stages.registration import register_task
+from tasks.stages.stage_runs import StageContext
+from tasks.stages.stage_tasks import ppo_task, prepare_data_task, reward_task, sft_task, train_judge_reward
 
 CACHE_DIR_NAME = ".cache"
 RUN_ID_CHARS = 8
@@ -95,30 +96,15 @@ NEEDS: dict[Stage, tuple[Stage, ...]] = {
 # otherwise the evaluation judges with the reward model PPO optimised against.
 
 
-class PipelineSettings(BaseModel):
+class PipelineSettings(RunSettings):
     """What a pipeline run is asked to do (the form of the Run dialog in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    config: list[str] = Field(
-        default_factory=list,
-        description="Overlay YAML files merged over the params file, in order (e.g. configs/tiny.yaml).",
-    )
-    overrides: list[str] = Field(
-        default_factory=list, description="key.path=value overrides, applied last (e.g. ppo.kl_coef=0.02)."
-    )
     data: str | None = Field(
         None, description="Preference data: a local file or directory, or a Hub dataset id (default: data.source)."
     )
     stages: list[Stage] = Field(
         default_factory=lambda: list(Stage),
         description="Stages to run; the stages they depend on run too (cache hits when unchanged).",
-    )
-    params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field(str(RUNS_DIR), description="Where run directories and the stage cache are written.")
-    remote: RemoteStages = Field(
-        default_factory=RemoteStages,
-        description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",
     )
 
 
@@ -268,7 +254,7 @@ def run_training_stages(
 ) -> None:
     """SFT then the reward model on the main line, and the judge reward model, which needs only the prepared
     data, beside them in its own process (flows/stage_branch.py), the cores split between the two
-    (tasks/core_share.py) and the machine's training slot shared (tasks/concurrency.py). Either side's
+    (tasks/execution/core_share.py) and the machine's training slot shared (tasks/execution/concurrency.py). Either side's
     failure fails the run with its error, and the other side is stopped; the outputs go into `outputs`."""
     judge_wanted = Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm
     if not judge_wanted or Stage.SFT not in selected:  # nothing to overlap: one after another
@@ -308,7 +294,7 @@ def run_main_line(
     check: Callable[[], None],
 ) -> None:
     """SFT and the reward model, in order, as selected, each on the main line's share of the threads as it
-    starts (tasks/core_share.py); `check` (did the stage beside fail?) before each stage and after the last."""
+    starts (tasks/execution/core_share.py); `check` (did the stage beside fail?) before each stage and after the last."""
     if Stage.SFT in selected:
         check()
         clock.start(Stage.SFT.value)
@@ -333,7 +319,7 @@ def evaluate_policy(
 ) -> StageOutput:
     """The evaluate stage: the PPO policy (A) against the SFT model (B) by the evaluate task, cached on
     content; or, when the policy's content is the SFT model's (PPO handed on its start), not evaluated, with
-    the reason recorded (tasks/identical_evaluation.py): every pair would be a tie."""
+    the reason recorded (tasks/evaluation/identical_evaluation.py): every pair would be a tie."""
     if models_identical(outputs["ppo"], outputs["sft"]):
         logger.info("%s", identical_models_reason(outputs["ppo"], outputs["sft"]))
         return skip_identical_evaluation(outputs["ppo"], outputs["sft"], context)

@@ -8,12 +8,12 @@ Mode `evaluate` (the default):
    its lineage tags, so this runs where the pipeline ran), judged by the LLM judge when
    `evaluation.judge` is llm, else by the independent judge reward model registered with the
    challenger, unless `promotion.judge_reward_model` names another (or `in_sample`, flagged); see
-   tasks/promotion.py. The evaluation is the pipeline's evaluate task, cached on content, in an MLflow
+   tasks/promotion/promote_tasks.py. The evaluation is the pipeline's evaluate task, cached on content, in an MLflow
    run nested under this flow's own parent run: the pipeline's evaluation of the same policy against
    the same SFT model (or an earlier promotion's of the same pair), with the same data, judge and
    settings, is reused, and a challenger whose content is its baseline's is not evaluated at all (a
-   tie); the decision says which (tasks/promotion_evidence.py);
-3. apply the gate of `promotion` in params.yaml (tasks/promotion.py); a pass moves `champion` and tags
+   tie); the decision says which (rlhf_core/promotion/evidence.py);
+3. apply the gate of `promotion` in params.yaml (tasks/promotion/promote_tasks.py); a pass moves `champion` and tags
    the version with the decision and its evidence, a fail (`rejected`) leaves the registry unchanged.
 `override` promotes whatever the gate says; it requires a `reason`, which is recorded on the version.
 The rule is written twice: in the form's JSON schema (`FORM_RULES`, an `allOf` of `if`/`then`), which the
@@ -44,12 +44,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.config import Config, load_config
 from rlhf_core.layout import RUNS_DIR
-from tasks.caching import with_cache_dir
-from tasks.evaluation import evaluate_task
-from tasks.lineage import flow_run_tags
-from tasks.mlflow_runs import close_run, open_pipeline_run
-from tasks.preflight import check_services, tracking_services
-from tasks.promotion import (
+from tasks.execution.caching import with_cache_dir
+from tasks.evaluation.evaluate_task import evaluate_task
+from tasks.tracking.lineage import flow_run_tags
+from tasks.tracking.mlflow_runs import close_run, open_pipeline_run
+from tasks.services.probes import check_services
+from tasks.preflight import tracking_services
+from tasks.promotion.promote_tasks import (
     EvaluationInputs,
     PromotionResult,
     decide_task,
@@ -57,9 +58,9 @@ from tasks.promotion import (
     find_candidates_task,
     rollback_task,
 )
-from tasks.promotion_evidence import Evidence, evaluation_evidence, identical_models_evidence
-from tasks.stage_runs import StageContext
-from tasks.tracking import resolve_tracking_uri
+from rlhf_core.promotion.evidence import Evidence, evaluation_evidence, identical_models_evidence
+from tasks.stages.stage_runs import StageContext
+from tasks.tracking.metrics_logger import resolve_tracking_uri
 
 FLOW_TAG = "rlhf.flow"
 # The Completed state a refusal ends in is named after it; other decisions end in the plain "Completed".
@@ -171,7 +172,7 @@ def evaluate_and_decide(
 
 
 def compare(config: Config, inputs: EvaluationInputs, context: StageContext, challenger_name: str) -> Evidence:
-    """The challenger against its baseline (tasks/promotion_evidence.py): not evaluated when their contents
+    """The challenger against its baseline (rlhf_core/promotion/evidence.py): not evaluated when their contents
     are the same, else the evaluate task, whose cache answers for an evaluation already made."""
     if inputs.challenger.sha256 == inputs.baseline.sha256:
         return identical_models_evidence(inputs.challenger.sha256)

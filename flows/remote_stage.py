@@ -1,13 +1,13 @@
 """The `rlhf-stage` flow: one training stage, run on the machine of another work pool (a GPU pool).
 
 The pipeline (flows/pipeline.py, on the `rlhf-cpu` pool) starts it through the `rlhf-stage`
-deployment for each stage that `PipelineSettings.remote` names (tasks/remote.py), with a
+deployment for each stage that `PipelineSettings.remote` names (tasks/stages/remote.py), with a
 `StageRequest`: the stage, the pipeline's resolved configuration, the upstream outputs as `s3://`
 URIs, the destination URI and the pipeline's MLflow parent run. The flow
 
 1. gives itself a run directory under `runs_dir` in ITS OWN working directory (the worker's),
-2. downloads each upstream output there, checked against its content hash (tasks/transfer.py),
-3. runs the stage's own task from tasks/stages.py, exactly as the local pipeline does: cached on
+2. downloads each upstream output there, checked against its content hash (tasks/execution/transfer.py),
+3. runs the stage's own task from tasks/stages/stage_tasks.py, exactly as the local pipeline does: cached on
    content in `<runs_dir>/.cache` of this machine, retried and resumed from checkpoints here, holding
    this machine's training slot, logging a stage run nested under the pipeline's MLflow run,
 4. uploads the finished output to the destination (metrics.json last) and returns where it is.
@@ -24,12 +24,12 @@ from prefect import Task, flow, get_run_logger
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.layout import RUNS_DIR, stage_output_dir
-from tasks.caching import with_cache_dir
-from tasks.outputs import StageOutput
-from tasks.remote import STAGE_FLOW_NAME, StageRequest
-from tasks.stage_runs import StageContext
-from tasks.stages import ppo_task, reward_task, sft_task
-from tasks.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
+from tasks.execution.caching import with_cache_dir
+from rlhf_core.stage_outputs import StageOutput
+from tasks.stages.remote import STAGE_FLOW_NAME, StageRequest
+from tasks.stages.stage_runs import StageContext
+from tasks.stages.stage_tasks import ppo_task, reward_task, sft_task
+from tasks.execution.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
 
 STAGE_TASKS: dict[str, Task[..., StageOutput]] = {"sft": sft_task, "reward": reward_task, "ppo": ppo_task}
 

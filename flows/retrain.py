@@ -10,7 +10,7 @@ the challenger becomes the `champion` if it passes the promotion gate, and the r
 otherwise.
 
 The deployment runs it on a weekly cron and on every `rlhf.data.pushed` event (`rlhf data add`,
-tasks/data_events.py), whose trigger passes the pushed version as `data_version`: the pulled data must
+tasks/data/data_events.py), whose trigger passes the pushed version as `data_version`: the pulled data must
 then be that version, else the run stops before training, saying that this checkout's .dvc file pins
 another version (the new .dvc file is not committed and pulled here yet). The DVC remote is checked
 before the pull (tasks/preflight.py).
@@ -22,38 +22,28 @@ from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
 from flows.promote import PromoteSettings, rlhf_promote
-from rlhf_core.layout import RUNS_DIR
-from tasks import dvc_data
-from tasks.preflight import check_services, dvc_remote_services
-from tasks.promotion import PromotionResult
-from tasks.remote import RemoteStages
+from flows.run_settings import RunSettings
+from tasks.data import dvc_data
+from tasks.services.probes import check_services
+from tasks.preflight import dvc_remote_services
+from tasks.promotion.promote_tasks import PromotionResult
 
 PULL_RETRIES = 2
 PULL_RETRY_DELAY_SECONDS = 30
 
 
-class RetrainSettings(BaseModel):
+class RetrainSettings(RunSettings):
     """What a scheduled retraining runs on (the form of the Run dialog in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     data: str = Field("data/raw", description="The DVC-tracked raw data to pull and train on.")
     data_version: str | None = Field(
         None,
         description="The data version (DVC md5) to train on, as the new-data event names it; "
         "empty: the version the checkout's .dvc file pins.",
-    )
-    config: list[str] = Field(default_factory=list, description="Overlay YAML files (e.g. configs/tiny.yaml).")
-    overrides: list[str] = Field(default_factory=list, description="key.path=value overrides.")
-    params_file: str = Field("params.yaml", description="The base parameter file.")
-    runs_dir: str = Field(str(RUNS_DIR), description="Where run directories and the stage cache are written.")
-    remote: RemoteStages = Field(
-        default_factory=RemoteStages,
-        description="Training stages to run on another work pool (the rlhf-stage deployment), files via S3.",
     )
 
 

@@ -34,7 +34,7 @@ def serve_deployments(limit: int | None = None) -> None:
     SIGINT or SIGTERM (module docstring).
 
     `limit` caps the flow runs this process runs at once; training stages are kept one at a time per
-    machine by the training concurrency limit (tasks/concurrency.py) whatever it is.
+    machine by the training concurrency limit (tasks/execution/concurrency.py) whatever it is.
     """
     runner = Runner(limit=limit)  # pauses the schedules on shutdown, as Prefect's `serve` does
     deployments = [runner_deployment(spec) for spec in DEPLOYMENTS]  # built here: async code would get coroutines

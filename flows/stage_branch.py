@@ -1,7 +1,7 @@
 """A stage that runs beside the pipeline's main line, in a thread of the flow's process.
 
 The thread runs with a copy of the flow's context, so the stage's Prefect task is a task run of the
-flow run, and is the `branch` of its own `CoreShare` (tasks/core_share.py): its share of the cores, and
+flow run, and is the `branch` of its own `CoreShare` (tasks/execution/core_share.py): its share of the cores, and
 the event that stops its launched process. The main line asks it at each of its stage boundaries whether it failed
 (`raise_if_failed`), so a failure beside the main line fails the run before the next main-line stage
 starts, with that stage's error; a stage of the main line cannot be interrupted while it trains in the
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from flows.failed_stage import mark_failed_stage
 from flows.stage_clock import StageClock
-from tasks.core_share import CoreShare, branch
-from tasks.outputs import StageOutput
+from tasks.execution.core_share import CoreShare, branch
+from rlhf_core.stage_outputs import StageOutput
 
 # How long `stop` waits for the stage beside to end. Its launched process ends within a poll of the stop
 # (rlhf_core/distributed/launcher.py); what the stage does after its launch (its metrics to MLflow, its task

@@ -59,7 +59,7 @@ def ablate(
     with flow_here(params, config, set_, runs_dir) as start:
         # Imported inside: importing the flows already makes libraries warn.
         from flows.ablation import AblationSettings, rlhf_ablation
-        from tasks.remote import RemoteStages
+        from tasks.stages.remote import RemoteStages
 
         settings = AblationSettings(
             **start.shared_settings,

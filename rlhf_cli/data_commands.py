@@ -8,7 +8,7 @@ already in `data/raw/`), copies it into `data/raw/`, runs `dvc add data/raw` and
 the new data version (the md5 DVC records in `data/raw.dvc`) with a report of every new row whose prompt
 is already an evaluation prompt. A rejected file leaves `data/raw/` and `data/raw.dvc` untouched.
 Before any work it checks that the DVC remote it pushes to and the Prefect API answer (tasks/preflight.py).
-Once pushed, it emits the Prefect event `rlhf.data.pushed` with the new version (tasks/data_events.py)
+Once pushed, it emits the Prefect event `rlhf.data.pushed` with the new version (tasks/data/data_events.py)
 when a Prefect API is configured: the `rlhf-retrain` deployment's trigger starts a retraining on it.
 Registered in rlhf_cli/main.py as `app.add_typer(data_app, name="data")`.
 
@@ -27,9 +27,10 @@ import typer
 from rlhf_cli.library_logs import with_library_log
 from rlhf_cli.options import HELP_FORMAT, ConfigOption, ParamsOption, SetOption, resolve_config
 from rlhf_core.config import Config
-from tasks.data_events import DATA_PUSHED_EVENT, emit_data_pushed
-from tasks.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, raw_data_status, workspace_matches
-from tasks.preflight import check_services, dvc_remote_services, prefect_api_services
+from tasks.data.data_events import DATA_PUSHED_EVENT, emit_data_pushed
+from tasks.data.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, raw_data_status, workspace_matches
+from tasks.services.probes import check_services
+from tasks.preflight import dvc_remote_services, prefect_api_services
 
 if TYPE_CHECKING:
     from rlhf_core.data.versioning import NewFileReport

@@ -6,12 +6,12 @@
 A model (`--a`, `--b`, `--rm-dir`) is a stage output or model directory, or an MLflow registry URI
 (`models:/name@alias`, `models:/name/3`) on the tracking store MLFLOW_TRACKING_URI (or
 tracking.tracking_uri) names, downloaded once into the model cache, `$RLHF_CACHE_DIR/registry/`
-(default ~/.cache/rlhf-pipeline/registry/; tasks/evaluation.py), not into the working tree.
+(default ~/.cache/rlhf-pipeline/registry/; tasks/evaluation/evaluate_task.py), not into the working tree.
 Models A and B that are the same model by content (the sha256 of their model files, as registered) are
 refused (exit status 3, rlhf_cli/exit_codes.py): every pair would be a tie. `--allow-same` evaluates
 them anyway, with a warning.
 When a model is a `models:/` URI (model A's, else B's) and `--data-dir` or, for the reward-model judge,
-`--rm-dir` is not given, they come from that version's lineage tags (tasks/eval_lineage.py): the
+`--rm-dir` is not given, they come from that version's lineage tags (tasks/promotion/eval_lineage.py): the
 prepared data it was trained on and the judge reward model registered with it; the command prints
 which. Otherwise they default to `artifacts/data` and `artifacts/reward`.
 Whether a reward-model judge is in-sample is read from model A's record of the reward model PPO
@@ -56,20 +56,20 @@ def local_model(reference: str, config: Config) -> Path:
     imported only then, so the common case stays fast)."""
     if not reference.startswith(MODELS_URI_PREFIX):
         return Path(reference)
-    from tasks.evaluation import resolve_registered_model
+    from tasks.registry.downloads import resolve_registered_model
 
     return resolve_registered_model(reference, config, registry_cache()).out_dir
 
 
 def compared_model(reference: str, config: Config) -> tuple[Path, str]:
     """Model A's or B's local directory (`local_model`) and its content sha256: a directory's model files,
-    or a download's as it was registered (tasks/evaluation.py `downloaded_model_sha256`)."""
+    or a download's as it was registered (tasks/registry/downloads.py `downloaded_model_sha256`)."""
     if not reference.startswith(MODELS_URI_PREFIX):
         from rlhf_core.evaluation.model_dirs import resolve_model_dir
-        from tasks.outputs import directory_sha256
+        from rlhf_core.stage_outputs import directory_sha256
 
         return Path(reference), directory_sha256(resolve_model_dir(reference))
-    from tasks.evaluation import resolve_registered_model
+    from tasks.registry.downloads import resolve_registered_model
 
     output = resolve_registered_model(reference, config, registry_cache())
     return output.out_dir, output.sha256
@@ -103,7 +103,8 @@ def check_registry_reachable(references: tuple[str, ...], config: Config) -> Non
     """When any reference is a `models:/` URI, check the registry's server answers, so an unreachable one
     fails in seconds rather than inside a download."""
     if any(reference.startswith(MODELS_URI_PREFIX) for reference in references):
-        from tasks.preflight import check_services, tracking_services
+        from tasks.services.probes import check_services
+        from tasks.preflight import tracking_services
 
         check_services(tracking_services(config.tracking.tracking_uri, Path.cwd()))
 
@@ -116,7 +117,7 @@ def eval_inputs(
     needs_judge = judge == "rm" and rm_dir is None
     registered = next((model for model in models if model.startswith(MODELS_URI_PREFIX)), None)
     if registered is not None and (data_dir is None or needs_judge):
-        from tasks.eval_lineage import eval_lineage
+        from tasks.promotion.eval_lineage import eval_lineage
 
         lineage = eval_lineage(registered, config, need_data=data_dir is None, need_judge=needs_judge)
         for line in lineage.describe():

@@ -7,11 +7,11 @@ options (`--config`, `-s`, `--params`, `--runs-dir`).
 They run their flow here and now rather than through a deployment: with PREFECT_API_URL unset,
 Prefect starts a temporary server of its own, which inherits this process's environment and reads its
 settings when Prefect is first imported (inside the command). `in_process_flow` therefore, in order:
-1. sets TEMPORARY_SERVER_SETTINGS and Prefect's client retries (tasks/service_outages.py), each unless
+1. sets TEMPORARY_SERVER_SETTINGS and Prefect's client retries (tasks/services/service_outages.py), each unless
    the user set it;
 2. checks every service the flow will use (tasks/preflight.py), so an unreachable one fails in seconds,
    and warns about a Prefect server that would forget the training slot's lease in a restart
-   (tasks/service_outages.py);
+   (tasks/services/service_outages.py);
 3. sets up Prefect's logging (its console handler on the root logger, which step 6 must find), and
 4. registers the temporary server Prefect will start (rlhf_cli/temporary_server.py),
 5. turns SIGINT and SIGTERM into an orderly stop (`stop_in_order`), and
@@ -29,7 +29,7 @@ stops the server, says in one line that it stopped and exits with 128 + the sign
 STOP_GRACE_S of the signal, or else kills the server and exits (flows/stop_signals.py); that deadline
 starts at the signal even when Prefect's flow engine takes it and waits for a task thread that trains on
 (an ablation's variants train in threads). The stage it stopped in has no `metrics.json`, so it is
-incomplete, and the same command run again resumes it (tasks/resume.py). tests/test_run_signals.py checks
+incomplete, and the same command run again resumes it (tasks/stages/resume.py). tests/test_run_signals.py checks
 it all.
 """
 
@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # imported when used: Prefect must read TEMPORARY_SERVER_SETT
 #   database ("database is locked", with a traceback): off, and the client's too (DO_NOT_TRACK), which
 #   would otherwise print Prefect's anonymous-usage notice on a first run;
 # - it gets 20 s to start by default, which a busy 2-core machine overran: 120 s.
-# (It cannot hold the machine's training slot either: tasks/concurrency.py says why, and what does.)
+# (It cannot hold the machine's training slot either: tasks/execution/concurrency.py says why, and what does.)
 TEMPORARY_SERVER_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -95,10 +95,11 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     working directory's default store).
     """
     use_temporary_server_settings()
-    from tasks.service_outages import use_client_retry_settings, warn_about_memory_leases
+    from tasks.services.service_outages import use_client_retry_settings, warn_about_memory_leases
 
     use_client_retry_settings()  # Prefect's client waits for its server as long as MLflow's does
-    from tasks.preflight import check_services, prefect_api_services, tracking_services
+    from tasks.services.probes import check_services
+    from tasks.preflight import prefect_api_services, tracking_services
 
     prefect_apis = prefect_api_services()
     check_services([*prefect_apis, *tracking_services(tracking_uri, Path.cwd())])

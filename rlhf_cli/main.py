@@ -118,8 +118,8 @@ def error_text(err: Exception) -> str:
     """The error in words: a write a full or read-only file system refused, outside any stage's output (a
     log file, a cache), as "cannot write <path>: <reason>", like a stage's (rlhf_core/write_failures.py);
     a tracking server or Prefect API that stopped answering mid-run by its name and URL
-    (tasks/service_outages.py); anything else as the error says."""
-    from tasks.service_outages import lost_service_line
+    (tasks/services/service_outages.py); anything else as the error says."""
+    from tasks.services.service_outages import lost_service_line
 
     lost = lost_service_line(err)
     if lost is not None:

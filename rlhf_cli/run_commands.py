@@ -76,8 +76,9 @@ def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
     silence_libraries()  # before the flows import transformers; the flow-run processes inherit the switches
     from flows.serving import serve_deployments
-    from tasks.preflight import check_services, prefect_api_services, tracking_services
-    from tasks.service_outages import warn_about_memory_leases
+    from tasks.services.probes import check_services
+    from tasks.preflight import prefect_api_services, tracking_services
+    from tasks.services.service_outages import warn_about_memory_leases
 
     prefect_apis = prefect_api_services()
     check_services([*prefect_apis, *tracking_services(None, Path.cwd())])

@@ -1,7 +1,7 @@
 """An exclusive lock on a file that names its holder: the one lock helper of the project.
 
 Two things use it: one writer per stage output (rlhf_core/output_lock.py, which fails at once when the
-output is taken) and one training stage per machine without a Prefect server (tasks/concurrency.py,
+output is taken) and one training stage per machine without a Prefect server (tasks/execution/concurrency.py,
 which waits for the slot). Both say who holds the lock, from the same record: the holder's pid, host,
 start time and stage, written into the lock file (`LockHolder`).
 

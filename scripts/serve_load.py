@@ -22,7 +22,7 @@ and every good request answered. This script does that and reports what happened
    p99, max) of good and bad requests, and whether the server still answers /ping; with `--json`,
    writes the same as JSON. Exit status 1 when anything failed or the server died.
 
-What bounds it: the policy generates one request at a time (tasks/chat_policy.py), and MLflow's scoring
+What bounds it: the policy generates one request at a time (tasks/serving/chat_policy.py), and MLflow's scoring
 server runs each request in its default thread pool (min(32, cores + 4) threads), so a burst is answered
 one generation after another, bad requests queued among the good ones (MLflow reads and checks a request
 in the same pool), and a request still waiting when the server's request timeout runs out (60 s unless

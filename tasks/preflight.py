@@ -21,98 +21,13 @@ no server; a cloud store on its default endpoint is not probed).
 from __future__ import annotations
 
 import os
-import socket
-import ssl
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-PROBE_TIMEOUT_S = 3.0
-HTTP_SCHEMES = ("http://", "https://")
+from tasks.services.probes import HTTP_SCHEMES, Service
+
 PREFECT_API_URL_ENV = "PREFECT_API_URL"
 MLFLOW_S3_ENDPOINT_ENV = "MLFLOW_S3_ENDPOINT_URL"
 DVC_S3_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # what DVC's S3 client reads
-
-
-@dataclass(frozen=True)
-class Service:
-    """A service that will be used: what it is, its URL, the setting that points there, where to probe."""
-
-    name: str
-    url: str
-    setting: str
-    probe_path: str = ""
-
-    @property
-    def probe_url(self) -> str:
-        return self.url.rstrip("/") + self.probe_path if self.probe_path else self.url
-
-
-class ServiceUnreachableError(ConnectionError):
-    """A configured service did not answer; the message is one line naming each such service."""
-
-
-def check_services(services: Iterable[Service], timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Probe `services` at once; raise ServiceUnreachableError naming every one that did not answer."""
-    unique = list({service.probe_url: service for service in services}.values())
-    failures = [
-        f"cannot reach the {service.name} at {service.url} (set by {service.setting}): {reason}"
-        for service, reason in zip(unique, probe_all(unique, timeout_s))
-        if reason is not None
-    ]
-    if failures:
-        raise ServiceUnreachableError("; ".join(failures))
-
-
-def probe_all(services: list[Service], timeout_s: float) -> list[str | None]:
-    """`probe` of each service in its own daemon thread, all within one deadline.
-
-    Threads rather than a sequence: a host name that does not resolve can block longer than the socket
-    timeout (name resolution ignores it), and a daemon thread left blocked there does not hold up exit.
-    """
-    results: dict[int, str | None] = {}
-
-    def run(index: int, service: Service) -> None:
-        results[index] = probe(service, timeout_s)
-
-    threads = [threading.Thread(target=run, args=item, daemon=True) for item in enumerate(services)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s + 1.0
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    no_answer = f"no answer within {timeout_s:g} s"
-    return [results.get(index, no_answer) for index in range(len(services))]
-
-
-def probe(service: Service, timeout_s: float) -> str | None:
-    """None when the service answered with an HTTP status below 500, else why it did not."""
-    try:
-        with urllib.request.urlopen(service.probe_url, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as error:
-        return None if error.code < 500 else f"it answered HTTP {error.code}"
-    except urllib.error.URLError as error:
-        return failure_reason(error.reason, timeout_s)
-    except (OSError, ValueError) as error:  # a timeout while reading, or a malformed URL
-        return failure_reason(error, timeout_s)
-
-
-def failure_reason(error: object, timeout_s: float) -> str:
-    """A short human reason for a failed connection."""
-    if isinstance(error, ConnectionRefusedError):
-        return "connection refused (nothing listens on that port)"
-    if isinstance(error, socket.gaierror):
-        return f"host name not found ({error.strerror or error})"
-    if isinstance(error, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(error, ssl.SSLError):
-        return f"TLS error ({error})"
-    return str(error) or type(error).__name__
 
 
 def prefect_api_services() -> list[Service]:
@@ -132,7 +47,7 @@ def prefect_api_services() -> list[Service]:
 
 def tracking_services(configured_uri: str | None, project_dir: Path) -> list[Service]:
     """The MLflow tracking server (an http(s) tracking URI) and the S3 endpoint of its artifact store."""
-    from tasks.tracking import TRACKING_URI_ENV, resolve_tracking_uri
+    from tasks.tracking.metrics_logger import TRACKING_URI_ENV, resolve_tracking_uri
 
     services = []
     uri = resolve_tracking_uri(configured_uri, project_dir)
@@ -146,7 +61,7 @@ def tracking_services(configured_uri: str | None, project_dir: Path) -> list[Ser
 
 def stage_store_services(used: bool) -> list[Service]:
     """The S3-compatible endpoint remote stages exchange their files through (remote.store), when used."""
-    from tasks.transfer import ENDPOINT_VARIABLES
+    from tasks.execution.transfer import ENDPOINT_VARIABLES
 
     if not used:
         return []
@@ -156,7 +71,7 @@ def stage_store_services(used: bool) -> list[Service]:
 
 def dvc_remote_services(repo_dir: Path, remote: str | None = None) -> list[Service]:
     """The DVC remote `remote` (default: core.remote) of the repository at `repo_dir`, if it is a server."""
-    from tasks.dvc_data import run_dvc
+    from tasks.data.dvc_data import run_dvc
 
     settings: dict[str, tuple[str, str]] = {}  # key -> (value, the config file that sets it)
     for line in run_dvc(["config", "--list", "--show-origin"], cwd=Path(repo_dir)).splitlines():

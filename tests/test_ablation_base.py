@@ -11,11 +11,11 @@ import pytest
 from fixtures.tiny_ppo import write_stage_inputs
 from mlflow import MlflowClient
 
-from tasks.ablation_base import BaseReference, resolve_base
-from tasks.lineage import DATA_VERSION_TAG, GIT_COMMIT_TAG
-from tasks.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG, STAGE_ROLE
-from tasks.outputs import directory_sha256
-from tasks.registry import PIPELINE_RUN_TAG
+from tasks.ablation.base import BaseReference, resolve_base
+from tasks.tracking.lineage import DATA_VERSION_TAG, GIT_COMMIT_TAG
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG, STAGE_ROLE
+from rlhf_core.stage_outputs import directory_sha256
+from tasks.registry.registered_models import PIPELINE_RUN_TAG
 
 pytestmark = pytest.mark.slow  # builds tiny models and an MLflow store
 

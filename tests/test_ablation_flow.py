@@ -39,9 +39,9 @@ from flows.ablation import AblationResult, AblationSettings, rlhf_ablation
 from rlhf_core.ablation.grid import VariantSpec
 from rlhf_core.ablation.report import COMPARISON_JSON
 from rlhf_core.stages import ppo as ppo_stage
-from tasks.lineage import FLOW_RUN_ID_TAG
-from tasks.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG
-from tasks.outputs import directory_sha256
+from tasks.tracking.lineage import FLOW_RUN_ID_TAG
+from tasks.tracking.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG
+from rlhf_core.stage_outputs import directory_sha256
 
 pytestmark = pytest.mark.slow
 

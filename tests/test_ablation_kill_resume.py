@@ -1,11 +1,11 @@
 """`rlhf ablate` killed outright while a variant trains, then run again: that variant resumes from its checkpoint.
 
 A SIGKILL ends the flow run itself; the rerun is a new flow run with a new ablation directory. It must
-find the killed variant's unfinished PPO output through the variant's claim (tasks/resume.py, keyed like
+find the killed variant's unfinished PPO output through the variant's claim (tasks/stages/resume.py, keyed like
 its cache), continue it from the newest checkpoint without repeating an iteration (the PPO stage checks
 checkpoints/run_inputs.json first), and then evaluate and compare it. Both runs use Prefect's
 temporary server, as `rlhf ablate` does without PREFECT_API_URL: the killed process held this machine's
-training slot, which must not keep the rerun waiting (tasks/concurrency.py). The rerun that works
+training slot, which must not keep the rerun waiting (tasks/execution/concurrency.py). The rerun that works
 prints no traceback and no ERROR line.
 """
 

@@ -1,6 +1,6 @@
 """Input checks that need no service run before Prefect starts, as one line.
 
-- `BaseReference.check` (tasks/ablation_base.py), without MLflow: no base and an input missing, a base
+- `BaseReference.check` (tasks/ablation/base.py), without MLflow: no base and an input missing, a base
   that cannot name a run, an input directory that is not a complete stage output, a missing judge
   directory; a complete set of inputs passes.
 - `rlhf ablate` without `--base` and `rlhf run` with a missing `--data` exit 1 with one `rlhf: error:`
@@ -16,7 +16,7 @@ from fixtures.commands import run_main
 from fixtures.paths import PARAMS, ROOT
 from fixtures.tiny_ppo import write_stage_inputs
 
-from tasks.ablation_base import BaseReference
+from tasks.ablation.base import BaseReference
 
 GRID = ROOT / "configs" / "ablations" / "paper.yaml"
 

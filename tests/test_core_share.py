@@ -1,4 +1,4 @@
-"""A main-line stage's threads follow its share of the cores at each step (tasks/core_share.py): the stage
+"""A main-line stage's threads follow its share of the cores at each step (tasks/execution/core_share.py): the stage
 beside ending hands its cores to the stage training on the main line, at that stage's next step."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tasks.core_share import BESIDE, CORE_SHARE, MAIN_LINE, CoreShare, CoreSplit, following_share
+from tasks.execution.core_share import BESIDE, CORE_SHARE, MAIN_LINE, CoreShare, CoreSplit, following_share
 
 
 class StepThreads:

@@ -20,7 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
-from tasks.mlflow_runs import STAGE_TAG
+from tasks.tracking.mlflow_runs import STAGE_TAG
 
 pytestmark = pytest.mark.slow
 

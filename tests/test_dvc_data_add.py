@@ -26,7 +26,7 @@ from typer.testing import CliRunner, Result
 from rlhf_cli.data_commands import RawDataMismatchError, data_app
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.output_lock import OutputLockedError, output_lock
-from tasks.dvc_data import (
+from tasks.data.dvc_data import (
     DvcError,
     data_version,
     dvc_add,

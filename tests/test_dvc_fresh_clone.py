@@ -15,7 +15,7 @@ import pytest
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT
 
-from tasks.dvc_data import data_version, dvc_add, raw_data_status
+from tasks.data.dvc_data import data_version, dvc_add, raw_data_status
 
 pytestmark = pytest.mark.slow  # git and dvc subprocesses
 

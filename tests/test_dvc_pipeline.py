@@ -25,7 +25,7 @@ from fixtures.project_repos import copy_project_files, git
 
 from rlhf_cli.data_commands import DEFAULT_RAW_DIR
 from rlhf_cli.main import app
-from tasks.dvc_data import data_version, dvc_add, run_dvc
+from tasks.data.dvc_data import data_version, dvc_add, run_dvc
 
 PIPELINE_FILES = ("dvc.yaml", "overlays.yaml", "params.yaml", ".dvc/config", ".dvc/.gitignore", ".dvcignore",
                   ".gitignore")

@@ -250,7 +250,7 @@ def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str
     from mlflow import MlflowClient
 
     from fixtures.stage_outputs import stage_output
-    from tasks.registry import (
+    from tasks.registry.registered_models import (
         CHALLENGER_ALIAS,
         REWARD_VERSION_TAG,
         judge_version_tags,
@@ -258,7 +258,7 @@ def registry(eval_inputs, tmp_path_factory: pytest.TempPathFactory) -> tuple[str
         register,
         training_data_tags,
     )
-    from tasks.tracking import get_or_create_experiment, local_artifact_location
+    from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 
     root = tmp_path_factory.mktemp("eval-registry")
     uri = f"sqlite:///{root / 'mlflow.db'}"

@@ -34,9 +34,9 @@ from rlhf_core.reward.training_data import read_training_data
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.stages.judge_reward import judge_config, run_judge_rm
 from rlhf_core.stages.reward import run_train_rm
-from tasks.caching import stage_cache_key
-from tasks.lineage import DATA_VERSION_TAG
-from tasks.registry import (
+from tasks.execution.caching import stage_cache_key
+from tasks.tracking.lineage import DATA_VERSION_TAG
+from tasks.registry.registered_models import (
     CONTENT_TAG,
     JUDGE_MODEL_TAG,
     JUDGE_VERSION_TAG,
@@ -44,7 +44,7 @@ from tasks.registry import (
     PIPELINE_RUN_TAG,
     STAGE_RUN_TAG,
 )
-from tasks.stage_runs import STAGE_SECTIONS
+from tasks.stages.stage_runs import STAGE_SECTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

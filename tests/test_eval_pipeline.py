@@ -32,13 +32,13 @@ from rlhf_core.config import Config
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.stages.evaluate import judge_in_sample
 from rlhf_core.stages.ppo import REWARD_RECORD_FILE, run_ppo
-from tasks.caching import with_cache_dir
-from tasks.evaluation import JudgeSpec, evaluate_task
-from tasks.lineage import flow_run_tags
-from tasks.mlflow_runs import PARENT_RUN_TAG, STAGE_TAG, close_run, open_pipeline_run
-from tasks.outputs import StageOutput, output_sha256
-from tasks.registry import CHALLENGER_ALIAS, REWARD_VERSION_TAG, register
-from tasks.stage_runs import StageContext
+from tasks.execution.caching import with_cache_dir
+from tasks.evaluation.evaluate_task import JudgeSpec, evaluate_task
+from tasks.tracking.lineage import flow_run_tags
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, STAGE_TAG, close_run, open_pipeline_run
+from rlhf_core.stage_outputs import StageOutput, output_sha256
+from tasks.registry.registered_models import CHALLENGER_ALIAS, REWARD_VERSION_TAG, register
+from tasks.stages.stage_runs import StageContext
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

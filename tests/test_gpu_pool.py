@@ -1,4 +1,4 @@
-"""Training stages on a GPU work pool, handing files over by s3:// URI (tasks/transfer.py, tasks/remote.py,
+"""Training stages on a GPU work pool, handing files over by s3:// URI (tasks/execution/transfer.py, tasks/stages/remote.py,
 flows/remote_stage.py).
 
 Unit tests of the transfer against a real S3 server (`rclone serve s3`): a round trip, metrics.json
@@ -48,13 +48,13 @@ from flows.deployments import CPU_POOL, DEPLOYMENTS, GPU_POOL
 from flows.pipeline import PipelineSettings, rlhf_pipeline
 from rlhf_core.ablation.report import COMPARISON_JSON
 from rlhf_core.config import load_config
-from tasks.ablation import VARIANT_TAG
-from tasks.lineage import FLOW_RUN_ID_TAG
-from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
-from tasks.outputs import COMPLETE_MARKER, StageOutput, output_sha256
-from tasks.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
-from tasks.stage_runs import StageContext
-from tasks.transfer import (
+from tasks.ablation.variant_tasks import VARIANT_TAG
+from tasks.tracking.lineage import FLOW_RUN_ID_TAG
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
+from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
+from tasks.stages.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
+from tasks.stages.stage_runs import StageContext
+from tasks.execution.transfer import (
     MANIFEST,
     CorruptOutputError,
     IncompleteOutputError,

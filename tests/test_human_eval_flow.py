@@ -42,7 +42,7 @@ from prefect.input.actions import read_flow_run_input
 from flows.human_eval import HumanEvalSettings, rlhf_human_eval
 from rlhf_core.evaluation.judges.human import PLAN_FILE, plan_session
 from rlhf_core.evaluation.outputs import GeneratedPair, read_generations, read_verdicts, write_jsonl
-from tasks.human_eval import REPORT_ARTIFACT_KEY, choice_field, comment_field
+from tasks.evaluation.human_eval import REPORT_ARTIFACT_KEY, choice_field, comment_field
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.result import write_metrics
-from tasks.human_eval import generate_pairs_task
+from tasks.evaluation.human_eval import generate_pairs_task
 
 
 def hh_row(index: int) -> str:

@@ -19,12 +19,12 @@ from mlflow import MlflowClient
 import flows.pipeline as pipeline
 import rlhf_core.stages.evaluate as evaluate_stage
 from rlhf_core.stages.ppo import run_ppo
-from tasks.evaluation import evaluation_summary, evaluation_tags
-from tasks.identical_evaluation import NOT_EVALUATED_FILE
-from tasks.mlflow_runs import TrackingTarget
-from tasks.outputs import StageOutput
-from tasks.promotion_evidence import IDENTICAL_MODELS
-from tasks.stage_runs import StageContext
+from tasks.evaluation.evaluate_task import evaluation_summary, evaluation_tags
+from tasks.evaluation.identical_evaluation import NOT_EVALUATED_FILE
+from tasks.tracking.mlflow_runs import TrackingTarget
+from rlhf_core.stage_outputs import StageOutput
+from rlhf_core.promotion.evidence import IDENTICAL_MODELS
+from tasks.stages.stage_runs import StageContext
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""Imports point one way: rlhf_cli -> flows -> tasks -> rlhf_core, and inside rlhf_core only down the
-levels of docs/architecture.md, to the packages its table allows (no sideways import), with no cycle.
+"""Imports point one way: rlhf_cli -> flows -> tasks -> rlhf_core, and inside rlhf_core and tasks only down
+the levels of docs/architecture.md, to the packages its table allows (no sideways import), with no cycle.
 
 Read from the source with `ast` (every import statement, those inside functions too), so a lazy import
 that closes a cycle or runs sideways is caught as well as a top-level one. `ALLOWED_IMPORTS` is the
@@ -20,11 +20,27 @@ LAYERS = ("rlhf_core", "tasks", "flows", "rlhf_cli")  # each may import only tho
 ORCHESTRATION = ("prefect", "mlflow", "dvc")  # never imported by the ML library
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 CORE = "rlhf_core"
-# docs/architecture.md's table: package -> the packages it may import (`rlhf_core`: any of its packages).
+TASKS = "tasks"
+LEVELLED = (CORE, TASKS)  # the layers whose packages stand on levels of their own
+# docs/architecture.md's table: package -> the packages it may import (a layer's name: any of its packages).
 ALLOWED_IMPORTS: dict[str, set[str]] = {
     "rlhf_cli": {"flows", "tasks", "rlhf_core"},
     "flows": {"tasks", "rlhf_core"},
-    "tasks": {"rlhf_core"},
+    "tasks.ablation": {
+        "tasks.evaluation", "tasks.stages", "tasks.registry", "tasks.tracking", "tasks.execution", "rlhf_core",
+    },
+    "tasks.promotion": {
+        "tasks.evaluation", "tasks.stages", "tasks.registry", "tasks.tracking", "tasks.execution", "rlhf_core",
+    },
+    "tasks.evaluation": {"tasks.stages", "tasks.registry", "tasks.tracking", "tasks.execution", "rlhf_core"},
+    "tasks.stages": {"tasks.registry", "tasks.tracking", "tasks.execution", "tasks.data", "rlhf_core"},
+    "tasks.registry": {"tasks.tracking", "tasks.serving", "rlhf_core"},
+    "tasks.preflight": {"tasks.tracking", "tasks.execution", "tasks.data", "tasks.services", "rlhf_core"},
+    "tasks.tracking": {"tasks.execution", "tasks.data", "tasks.services", "rlhf_core"},
+    "tasks.execution": {"tasks.services", "rlhf_core"},
+    "tasks.data": {"rlhf_core"},
+    "tasks.serving": {"rlhf_core"},
+    "tasks.services": {"rlhf_core"},
     "ablation": {"stages", "ppo", "config", "atomic", "layout"},
     "stages": {
         "evaluation", "ppo", "reward", "sft", "training", "data", "models", "distributed", "config",
@@ -50,6 +66,8 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "progress": set(),
     "statistics": set(),
     "write_failures": set(),
+    "promotion": {"config", "stage_outputs"},
+    "stage_outputs": {"layout"},
 }  # fmt: skip
 
 
@@ -80,9 +98,14 @@ def subpackage(module: str) -> str:
 
 
 def package_of(module: str) -> str:
-    """The table's name for the package holding `module`: rlhf_core.ppo.trainer -> ppo, tasks.stages -> tasks."""
+    """The table's name for the package holding `module`: rlhf_core.ppo.trainer -> ppo,
+    tasks.stages.stage_tasks -> tasks.stages, flows.pipeline -> flows."""
     parts = module.split(".")
-    return parts[1] if parts[0] == CORE and len(parts) > 1 else parts[0]
+    if parts[0] == CORE and len(parts) > 1:
+        return parts[1]
+    if parts[0] == TASKS and len(parts) > 1:
+        return f"{TASKS}.{parts[1]}"
+    return parts[0]
 
 
 def forbidden_imports(allowed: Mapping[str, Collection[str]], root: Path = ROOT) -> list[str]:
@@ -91,17 +114,18 @@ def forbidden_imports(allowed: Mapping[str, Collection[str]], root: Path = ROOT)
     offences = []
     for layer in LAYERS:
         for module, path in modules(layer, root).items():
-            if module == CORE:
-                continue  # rlhf_core/__init__.py: the library's root, no package of the table
+            if module in LEVELLED:
+                continue  # rlhf_core/__init__.py, tasks/__init__.py: a layer's root, no package of the table
             source, where = package_of(module), path.relative_to(root)
             if source not in allowed:
                 offences.append(f"{where}: package {source} has no row in docs/architecture.md's table")
                 continue
             for name in imported(path):
                 target = package_of(name)
-                if name.split(".")[0] not in LAYERS or target == source:
+                layer_of_target = name.split(".")[0]
+                if layer_of_target not in LAYERS or target == source:
                     continue
-                if target not in allowed[source] and not (name.split(".")[0] == CORE and CORE in allowed[source]):
+                if target not in allowed[source] and layer_of_target not in allowed[source]:
                     offences.append(f"{where} imports {name}: {source} may not import {target}")
     return offences
 
@@ -111,16 +135,18 @@ def architecture_table(text: str) -> dict[str, set[str]]:
     table = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
-            table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[2]))
+        if len(cells) == 3 and re.fullmatch(r"`[\w.]+`", cells[0]):
+            table[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[2]))
     return table
 
 
 def architecture_levels(text: str) -> dict[str, int]:
-    """docs/architecture.md's picture of rlhf_core: package -> its level ("level 3    sft  rollout ...")."""
+    """docs/architecture.md's pictures: package -> its level. rlhf_core's lines read "level 3    sft  rollout",
+    tasks' "tasks level 2    tracking" (its packages are named `tasks.<name>` in the table)."""
     levels = {}
-    for number, names in re.findall(r"^ +level (\d+) +([\w ]+)", text, flags=re.M):
-        levels.update({name: int(number) for name in names.split()})
+    for layer, number, names in re.findall(r"^ +(tasks )?level (\d+) +([\w ]+)", text, flags=re.M):
+        prefix = f"{TASKS}." if layer else ""
+        levels.update({prefix + name: int(number) for name in names.split()})
     return levels
 
 
@@ -163,6 +189,16 @@ def test_rlhf_core_packages_form_no_cycle() -> None:
     assert find_cycle(graph) is None, f"rlhf_core's packages import each other in a circle: {find_cycle(graph)}"
 
 
+def test_tasks_packages_form_no_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for module, path in modules(TASKS).items():
+        if module == TASKS:
+            continue
+        targets = {package_of(name) for name in imported(path) if name.startswith(f"{TASKS}.")}
+        graph.setdefault(package_of(module), set()).update(targets - {package_of(module)})
+    assert find_cycle(graph) is None, f"tasks' packages import each other in a circle: {find_cycle(graph)}"
+
+
 def test_rlhf_core_modules_form_no_cycle() -> None:
     known = modules("rlhf_core")
     graph = {
@@ -191,14 +227,14 @@ def test_the_architecture_table_and_its_twin_in_code_agree() -> None:
 
 def test_the_table_allows_only_imports_down_the_levels_of_the_picture() -> None:
     levels = architecture_levels(ARCHITECTURE.read_text(encoding="utf-8"))
-    core_packages = set(ALLOWED_IMPORTS) - set(LAYERS)
-    assert set(levels) == core_packages, "every rlhf_core package of the table is on one level of the picture"
+    levelled_packages = set(ALLOWED_IMPORTS) - set(LAYERS)
+    assert set(levels) == levelled_packages, "every rlhf_core and tasks package of the table is on one level"
     sideways_or_up = [
         f"{source} -> {target}"
         for source, targets in ALLOWED_IMPORTS.items()
         if source in levels
         for target in targets
-        if levels[target] >= levels[source]
+        if target not in LAYERS and levels[target] >= levels[source]
     ]
     assert not sideways_or_up, f"the table allows imports that do not go down a level: {sideways_or_up}"
 
@@ -215,7 +251,7 @@ def write_module(root: Path, relative: str, source: str = "") -> None:
 
 
 def test_the_checker_reports_a_sideways_import_and_a_package_without_a_row(tmp_path: Path) -> None:
-    allowed = {"models": {"config"}, "training": {"config"}, "config": set(), "tasks": {"rlhf_core"}}
+    allowed = {"models": {"config"}, "training": {"config"}, "config": set(), "tasks.stages": {"rlhf_core"}}
     write_module(tmp_path, "rlhf_core/__init__.py")
     write_module(tmp_path, "rlhf_core/config/__init__.py")
     write_module(tmp_path, "rlhf_core/models/base.py", "from rlhf_core.config import Config\n")
@@ -230,11 +266,21 @@ def test_the_checker_reports_a_sideways_import_and_a_package_without_a_row(tmp_p
 
 
 def test_the_checker_reports_an_upward_import_between_layers(tmp_path: Path) -> None:
-    allowed = {"tasks": {"rlhf_core"}, "flows": {"tasks", "rlhf_core"}, "ppo": set()}
+    allowed = {"tasks.stages": {"rlhf_core"}, "flows": {"tasks", "rlhf_core"}, "ppo": set()}
     write_module(tmp_path, "rlhf_core/ppo/trainer.py", "from tasks import stages\n")
     write_module(tmp_path, "tasks/stages.py", "from flows.pipeline import run\n")
     write_module(tmp_path, "flows/pipeline.py", "from tasks import stages\n")
     assert forbidden_imports(allowed, tmp_path) == [
-        "rlhf_core/ppo/trainer.py imports tasks.stages: ppo may not import tasks",
-        "tasks/stages.py imports flows.pipeline: tasks may not import flows",
+        "rlhf_core/ppo/trainer.py imports tasks.stages: ppo may not import tasks.stages",
+        "tasks/stages.py imports flows.pipeline: tasks.stages may not import flows",
+    ]
+
+
+def test_the_checker_reports_an_import_up_the_levels_of_tasks(tmp_path: Path) -> None:
+    allowed = {"tasks.stages": {"tasks.execution", "rlhf_core"}, "tasks.execution": {"rlhf_core"}}
+    write_module(tmp_path, "tasks/__init__.py")
+    write_module(tmp_path, "tasks/stages/stage_tasks.py", "from tasks.execution import caching\nimport rlhf_core.config\n")
+    write_module(tmp_path, "tasks/execution/caching.py", "def f():\n    from tasks.stages.stage_tasks import g\n")
+    assert forbidden_imports(allowed, tmp_path) == [
+        "tasks/execution/caching.py imports tasks.stages.stage_tasks: tasks.execution may not import tasks.stages",
     ]

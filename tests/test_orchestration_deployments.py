@@ -78,7 +78,7 @@ def test_served_deployment_carries_the_spec(spec: DeploymentSpec) -> None:
 
 def test_retrain_runs_on_each_new_data_event_and_keeps_its_weekly_cron() -> None:
     from flows.deployments import RETRAIN_CRON
-    from tasks.data_events import DATA_PUSHED_EVENT
+    from tasks.data.data_events import DATA_PUSHED_EVENT
 
     retrain = next(spec for spec in DEPLOYMENTS if spec.name == "rlhf-retrain")
     assert retrain.cron == RETRAIN_CRON

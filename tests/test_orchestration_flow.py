@@ -21,12 +21,12 @@ from fixtures.paths import PARAMS, ROOT, TINY
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.stages import sft as sft_stage
 from rlhf_core.config import load_config
-from tasks import stages
-from tasks.caching import keyed_section_hash
-from tasks.concurrency import ensure_training_limit, training_slot
-from tasks.lineage import DATA_SOURCE_TAG, DATA_VERSION_TAG, GIT_COMMIT_TAG, git_state
-from tasks.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
-from tasks.outputs import file_sha256
+from tasks.stages import stage_tasks as stages
+from tasks.execution.caching import keyed_section_hash
+from tasks.execution.concurrency import ensure_training_limit, training_slot
+from tasks.tracking.lineage import DATA_SOURCE_TAG, DATA_VERSION_TAG, GIT_COMMIT_TAG, git_state
+from tasks.tracking.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
+from rlhf_core.stage_outputs import file_sha256
 
 pytestmark = pytest.mark.slow
 

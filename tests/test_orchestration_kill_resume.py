@@ -2,10 +2,10 @@
 
 Prefect retries cover a stage that raises; a SIGKILL ends the flow run itself, and the rerun is a new
 flow run with a new run directory. The rerun must still find the killed run's unfinished PPO output
-(tasks/resume.py), continue it from the newest checkpoint without repeating an iteration, and reuse
+(tasks/stages/resume.py), continue it from the newest checkpoint without repeating an iteration, and reuse
 the finished SFT and reward-model outputs as cache hits. Both runs use Prefect's temporary server, as
 `rlhf run` does without PREFECT_API_URL: the killed process held this machine's training slot, which
-must not keep the rerun waiting (a file lock the kernel releases, tasks/concurrency.py; before, the
+must not keep the rerun waiting (a file lock the kernel releases, tasks/execution/concurrency.py; before, the
 slot stayed taken in PREFECT_HOME's database and the rerun waited forever).
 """
 

@@ -31,9 +31,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from fixtures.pairs import write_topic_pairs
-from tasks.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
-from tasks.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
-from tasks.registry import (
+from tasks.tracking.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
+from tasks.registry.registered_models import (
     CHALLENGER_ALIAS,
     EVALUATION_STATUS_TAG,
     JUDGE_MODEL_TAG,

@@ -1,4 +1,4 @@
-"""tasks/registry.py against an embedded SQLite tracking store: the policy is registered as a chat model
+"""tasks/registry/registered_models.py against an embedded SQLite tracking store: the policy is registered as a chat model
 that stops at the end-of-turn token and answers /invocations with one OpenAI chat completion naming its
 registered version, the reward model as a scorer, versions are reused for unchanged content, and the
 `challenger` alias follows the newest policy. Both registered models are stored as a code file and
@@ -22,10 +22,10 @@ from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
-from tasks import registry
-from tasks.outputs import StageOutput
-from tasks.registry import CHALLENGER_ALIAS, CONTENT_TAG, register
-from tasks.tracking import get_or_create_experiment, local_artifact_location
+from tasks.registry import registered_models as registry
+from rlhf_core.stage_outputs import StageOutput
+from tasks.registry.registered_models import CHALLENGER_ALIAS, CONTENT_TAG, register
+from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 
 pytestmark = pytest.mark.slow
 

@@ -16,13 +16,13 @@ from rlhf_core.data.validation import DataValidationError
 from rlhf_core.distributed.launcher import RankFailedError
 from rlhf_core.output_lock import OutputLockedError
 from rlhf_core.stages.training_run import ResumeMismatchError
-from tasks.artifacts import read_samples, summary_markdown
-from tasks.caching import code_fingerprint, source_fingerprint, stage_cache_key
-from tasks.data_source import resolve_data_source
-from tasks.lineage import config_sha256, dependency_set_sha256, git_state
-from tasks.outputs import StageOutput, directory_sha256, output_sha256
-from tasks.retries import is_retryable
-from tasks.stage_runs import STAGE_SECTIONS
+from tasks.stages.artifacts import read_samples, summary_markdown
+from tasks.execution.caching import code_fingerprint, source_fingerprint, stage_cache_key
+from tasks.data.data_source import resolve_data_source
+from tasks.tracking.lineage import config_sha256, dependency_set_sha256, git_state
+from rlhf_core.stage_outputs import StageOutput, directory_sha256, output_sha256
+from tasks.execution.retries import is_retryable
+from tasks.stages.stage_runs import STAGE_SECTIONS
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_cache_key_changes_with_the_code(tiny_config, monkeypatch: pytest.Monkey
     inputs = {"data": "d" * 64}
     key = stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs)
     assert code_fingerprint().endswith("+" + source_fingerprint(ROOT / "rlhf_core"))  # the library's sources
-    monkeypatch.setattr("tasks.caching.code_fingerprint", lambda: "0.2.0+" + "f" * 64)
+    monkeypatch.setattr("tasks.execution.caching.code_fingerprint", lambda: "0.2.0+" + "f" * 64)
     assert stage_cache_key("sft", tiny_config, STAGE_SECTIONS["sft"], inputs) != key
 
 
@@ -258,7 +258,7 @@ def test_dvc_tracked_data_is_versioned_by_its_dvc_md5(tmp_path: Path, tiny_confi
     import subprocess
     import sys
 
-    from tasks.dvc_data import data_version, dvc_add
+    from tasks.data.dvc_data import data_version, dvc_add
 
     subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
     raw = write_files(tmp_path / "data" / "raw", {"pairs.jsonl": b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n'})

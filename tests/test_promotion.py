@@ -58,14 +58,14 @@ from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.reward.training_data import training_data_record, write_training_data
 from rlhf_core.stages.ppo import write_reward_record
 from rlhf_core.stages.training_run import model_dir_sha256
-from tasks.caching import with_cache_dir
-from tasks.evaluation import JudgeSpec, evaluate_task
-from tasks.lineage import flow_run_tags
-from tasks.mlflow_runs import close_run, open_pipeline_run
-from tasks.outputs import StageOutput
-from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
-from tasks.stage_runs import StageContext
-from tasks.registry import (
+from tasks.execution.caching import with_cache_dir
+from tasks.evaluation.evaluate_task import JudgeSpec, evaluate_task
+from tasks.tracking.lineage import flow_run_tags
+from tasks.tracking.mlflow_runs import close_run, open_pipeline_run
+from rlhf_core.stage_outputs import StageOutput
+from tasks.promotion.promote_tasks import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
+from tasks.stages.stage_runs import StageContext
+from tasks.registry.registered_models import (
     CHALLENGER_ALIAS,
     REWARD_VERSION_TAG,
     STAGE_RUN_TAG,
@@ -75,7 +75,7 @@ from tasks.registry import (
     register,
     training_data_tags,
 )
-from tasks.tracking import get_or_create_experiment
+from tasks.tracking.metrics_logger import get_or_create_experiment
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

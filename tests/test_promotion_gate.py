@@ -1,4 +1,4 @@
-"""The promotion gate (tasks/promotion_gate.py) on hand-made figures: each check passing, failing alone and
+"""The promotion gate (rlhf_core/promotion/gate.py) on hand-made figures: each check passing, failing alone and
 missing, a run without the guard shown as such; the choice of the judge from the config and the
 challenger's tags, and the rlhf-promote form's rules (flows/promote.py): no servers, no models."""
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from flows.promote import PromoteSettings
 from rlhf_core.config import PromotionConfig
 from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
-from tasks.promotion import (
+from tasks.promotion.promote_tasks import (
     GateCheck,
     JudgeChoice,
     PromotionResult,
@@ -22,11 +22,11 @@ from tasks.promotion import (
     find_candidates_task,
     gate_checks,
     promotion_judge,
-    registered_version,
+    version_number,
     reward_judge_choice,
 )
-from tasks.promotion_evidence import identical_models_evidence
-from tasks.registry import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
+from rlhf_core.promotion.evidence import identical_models_evidence
+from tasks.registry.registered_models import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
 
 
 def drop(figures: dict[str, float], name: str) -> dict[str, float]:
@@ -295,7 +295,7 @@ def test_candidates_from_a_local_sqlite_store(tmp_path: Path) -> None:
     client.set_registered_model_alias(name, "champion", "1")
     candidates = find_candidates_task.fn(config, uri)
     assert (candidates.challenger, candidates.champion) == ("2", "1")
-    assert registered_version(None) is None
+    assert version_number(None) is None
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.stages.evaluate import GENERATIONS_FILE, judged_pairs
 from rlhf_core.stages.prepare_data import run_prepare_data
-from tasks.promotion_gate import GUARD_DISABLED, gate_checks
+from rlhf_core.promotion.gate import GUARD_DISABLED, gate_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

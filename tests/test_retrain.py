@@ -41,11 +41,11 @@ from flows.retrain import (
     rlhf_retrain,
 )
 from rlhf_cli.data_commands import data_app
-from tasks.data_events import DATA_PUSHED_EVENT
-from tasks.dvc_data import data_version, dvc_add, dvc_pull, dvc_push, run_dvc
-from tasks.promotion import CHAMPION_ALIAS, DECISION_TAG
-from tasks.registry import CHALLENGER_ALIAS, EVALUATION_STATUS_TAG
-from tasks.remote import RemoteStages
+from tasks.data.data_events import DATA_PUSHED_EVENT
+from tasks.data.dvc_data import data_version, dvc_add, dvc_pull, dvc_push, run_dvc
+from tasks.promotion.promote_tasks import CHAMPION_ALIAS, DECISION_TAG
+from tasks.registry.registered_models import CHALLENGER_ALIAS, EVALUATION_STATUS_TAG
+from tasks.stages.remote import RemoteStages
 
 pytestmark = pytest.mark.slow
 

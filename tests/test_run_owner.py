@@ -1,5 +1,5 @@
 """MLflow runs left RUNNING by a process that is gone are closed by the next sweep; live and remote ones are not
-(tasks/run_owner.py, tasks/mlflow_runs.py:close_orphaned_runs), against an embedded SQLite store."""
+(tasks/tracking/run_owner.py, tasks/tracking/mlflow_runs.py:close_orphaned_runs), against an embedded SQLite store."""
 
 import socket
 import subprocess
@@ -10,14 +10,14 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from tasks.mlflow_runs import ERROR_TAG, ORPHAN_ERROR, close_orphaned_runs
-from tasks.run_owner import HOST_TAG, PID_TAG, STARTED_TAG, owner_tags
-from tasks.tracking import get_or_create_experiment, local_artifact_location
+from tasks.tracking.mlflow_runs import ERROR_TAG, ORPHAN_ERROR, close_orphaned_runs
+from tasks.tracking.run_owner import HOST_TAG, PID_TAG, STARTED_TAG, owner_tags
+from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 
 # A process that opens a stage run and is killed inside it, as SIGKILL leaves one.
 KILLED_INSIDE_A_STAGE = """
 import os, sys
-from tasks.mlflow_runs import TrackingTarget, stage_run
+from tasks.tracking.mlflow_runs import TrackingTarget, stage_run
 target = TrackingTarget(tracking_uri=sys.argv[1], experiment_id=sys.argv[2], parent_run_id=sys.argv[3])
 with stage_run(target, "sft", {"seed": 0}, {}) as run_id:
     print(run_id, os.getpid(), flush=True)

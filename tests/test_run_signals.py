@@ -27,7 +27,7 @@ from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.processes import group_processes
 
-from tasks.outputs import COMPLETE_MARKER, directory_sha256
+from rlhf_core.stage_outputs import COMPLETE_MARKER, directory_sha256
 
 pytestmark = pytest.mark.slow  # whole `rlhf run` processes, each with a Prefect server
 

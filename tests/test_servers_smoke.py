@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 
-from tasks.tracking import MlflowLogger, get_or_create_experiment, local_artifact_location
+from tasks.tracking.metrics_logger import MlflowLogger, get_or_create_experiment, local_artifact_location
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The MLflow tracking server and the Prefect API stopped in the middle of `rlhf run` and started again on the
-same port and store (tasks/service_outages.py).
+same port and store (tasks/services/service_outages.py).
 
 - Each away for OUTAGE_S in the middle of a training stage of one whole run (the issue says a minute; 20 s
   shows the same behaviour, as both clients wait minutes): the run waits and goes on, ends with the outputs
@@ -34,9 +34,9 @@ from mlflow import MlflowClient
 
 from rlhf_core.layout import METRICS_FILE
 from rlhf_core.training.checkpoint import complete_checkpoints
-from tasks.mlflow_runs import close_run
-from tasks.outputs import directory_sha256
-from tasks.service_outages import FILE_LEASE_STORAGE, MEMORY_LEASE_STORAGE, lost_service_line, memory_leases_warning
+from tasks.tracking.mlflow_runs import close_run
+from rlhf_core.stage_outputs import directory_sha256
+from tasks.services.service_outages import FILE_LEASE_STORAGE, MEMORY_LEASE_STORAGE, lost_service_line, memory_leases_warning
 
 OUTAGE_S = 20
 SFT_STEPS = 40  # SFT long enough to be mid-stage through a server's outage and its restart

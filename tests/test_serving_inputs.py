@@ -39,9 +39,10 @@ from rlhf_core.config import ModelConfig
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import TINY_MAX_POSITIONS
-from tasks.chat_policy import ChatPolicy
-from tasks.chat_request import ChatRequestError, parse_request, reply_budget
-from tasks.registry import CHAT_POLICY_CODE, POLICY_ARTIFACT
+from tasks.serving.chat_policy import ChatPolicy
+from tasks.serving.chat_request import ChatRequestError, parse_request, reply_budget
+from tasks.registry.registered_models import CHAT_POLICY_CODE
+from tasks.serving.chat_policy import POLICY_ARTIFACT
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 GOOD = {"messages": HELLO, "max_tokens": 4, "temperature": 0}
@@ -92,7 +93,7 @@ def test_the_reply_must_fit_the_context() -> None:
 
 @pytest.fixture(scope="module")
 def saved_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random policy saved as the chat pyfunc, from code, as registration logs it (tasks/registry.py)."""
+    """A tiny random policy saved as the chat pyfunc, from code, as registration logs it (tasks/registry/registered_models.py)."""
     root = tmp_path_factory.mktemp("policy")
     save_causal_lm(*load_base_model(ModelConfig(kind="tiny")), root / "model")
     mlflow.pyfunc.save_model(
@@ -115,9 +116,9 @@ def policy(saved_policy: Path) -> ChatPolicy:
 def test_huge_max_tokens_and_an_oversized_prompt_are_refused_before_generating(
     policy: ChatPolicy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tasks.chat_policy
+    import tasks.serving.chat_policy
 
-    monkeypatch.setattr(tasks.chat_policy, "generate_replies", pytest.fail)  # nothing may be generated
+    monkeypatch.setattr(tasks.serving.chat_policy, "generate_replies", pytest.fail)  # nothing may be generated
     assert policy.context_tokens == TINY_MAX_POSITIONS
     with pytest.raises(ChatRequestError, match=r"max_tokens: 1000000000 is more than the \d+ tokens a reply may have"):
         policy.predict(None, {"messages": HELLO, "max_tokens": 10**9})
@@ -185,7 +186,7 @@ def test_mlflow_models_serve_answers_200_concurrent_good_and_bad_requests_in_bou
     command = [sys.executable, str(ROOT / "scripts" / "serve_load.py"), "--model", str(saved_policy),
                "--requests", str(LOAD_REQUESTS), "--concurrency", str(LOAD_REQUESTS), "--bad-fraction", "0.25",
                "--max-tokens", "4", "--rounds", "2", "--json", str(figures_file)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the server loads this checkout's tasks.chat_policy
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the server loads this checkout's tasks.serving.chat_policy
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

@@ -1,4 +1,4 @@
-"""Unit tests of tasks/tracking.py against an embedded SQLite tracking store (no server)."""
+"""Unit tests of tasks/tracking/metrics_logger.py against an embedded SQLite tracking store (no server)."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from mlflow import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
 from rlhf_core.training.logger import MetricsLogger
-from tasks.tracking import (
+from tasks.tracking.metrics_logger import (
     MlflowLogger,
     flatten_params,
     get_or_create_experiment,

@@ -1,5 +1,5 @@
 """The machine's training slot without a Prefect server, or with one that keeps its leases in memory: an
-exclusive file lock (tasks/concurrency.py, the lock of rlhf_core/file_lock.py).
+exclusive file lock (tasks/execution/concurrency.py, the lock of rlhf_core/file_lock.py).
 
 With Prefect's temporary server the slot cannot be a global concurrency limit: that server does not
 reap the leases of killed holders, so one killed run kept every later run waiting forever. These tests
@@ -21,9 +21,9 @@ import pytest
 from fixtures.servers import prefect_settings_server
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-from tasks import concurrency
-from tasks.concurrency import shared_training_slot, training_lock, training_slot
-from tasks.service_outages import MEMORY_LEASE_STORAGE
+from tasks.execution import concurrency
+from tasks.execution.concurrency import shared_training_slot, training_lock, training_slot
+from tasks.services.service_outages import MEMORY_LEASE_STORAGE
 
 WAIT_POLLS = 400  # of 50 ms: how long a test waits for the other thread before it fails instead of hanging
 

@@ -7,5 +7,5 @@
 - `plots`: the paper's Figure 4 monitors of every variant overlaid, and the outcomes with intervals.
 - `summary`: the markdown summary; `report` writes all of it into one directory.
 
-The orchestration (Prefect tasks, MLflow runs) is in tasks/ablation.py and flows/ablation.py.
+The orchestration (Prefect tasks, MLflow runs) is in tasks/ablation/variant_tasks.py and flows/ablation.py.
 """

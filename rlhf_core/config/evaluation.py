@@ -90,7 +90,7 @@ class EvaluationConfig(Section):
     def trains_judge_rm(self) -> bool:
         """Whether the pipeline trains the independent judge reward model: asked for, and an rm judge.
 
-        The human judge falls back to the reward model inside the pipeline (tasks/evaluation.py), so
+        The human judge falls back to the reward model inside the pipeline (tasks/evaluation/evaluate_task.py), so
         only the LLM judge leaves the judge reward model unused.
         """
         return self.judge_rm == "independent" and self.judge != "llm"

@@ -18,7 +18,7 @@ class TrackingConfig(Section):
 
 class PromotionConfig(Section):
     """The gate a `challenger` policy must pass to become the `champion` (the rlhf-promote flow); every
-    check must pass, and a figure the evaluation or the PPO run lacks fails its check (tasks/promotion.py)."""
+    check must pass, and a figure the evaluation or the PPO run lacks fails its check (tasks/promotion/promote_tasks.py)."""
 
     min_lc_win_rate_low: float | None = Field(
         0.5,

@@ -1,5 +1,5 @@
 """Adding a preference file to the versioned raw data: validate it, check it against the evaluation split,
-copy it in. DVC itself (hashing, pushing) is the caller's business: see tasks/dvc_data.py.
+copy it in. DVC itself (hashing, pushing) is the caller's business: see tasks/data/dvc_data.py.
 
 The raw data is a directory of preference files (`data/raw/`) that DVC versions as one unit; the data
 stage reads every file in it. A new file is checked in the context of that directory:

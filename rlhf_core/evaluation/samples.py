@@ -1,6 +1,6 @@
 """A few replies of a model to held-out prompts, for people to read beside its figures.
 
-The SFT stage's task publishes them as a table (tasks/stages.py), the way the PPO stage publishes its
+The SFT stage's task publishes them as a table (tasks/stages/stage_tasks.py), the way the PPO stage publishes its
 rollout samples: the first `count` evaluation prompts (ordered by prompt id, as the evaluation orders
 them), each with the held-out reference reply and the model's reply, sampled with the evaluation's
 settings (`evaluation.generation`) from `seed`, so two runs of the same model show the same replies.

@@ -10,7 +10,7 @@ replies vary in length by themselves. A NaN or infinite
 loss or gradient norm stops the run too, before the optimizer applies it.
 
 The length band (`min_length_ratio`, `max_length_ratio`) defaults to the promotion gate's band on the
-evaluation's length ratio (tasks/promotion.py): a run that learns mostly to answer shorter stops here, on
+evaluation's length ratio (tasks/promotion/promote_tasks.py): a run that learns mostly to answer shorter stops here, on
 its training rollouts, rather than hand on a policy the gate would refuse. The gate checks the length
 again at evaluation's `max_new_tokens`, since training rollouts are capped shorter (ppo.rollout).
 

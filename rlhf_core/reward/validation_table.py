@@ -4,7 +4,7 @@ One row per validation pair, in the order the pairs were scored: the prompt's la
 r(x, y_chosen), r(x, y_rejected) and their margin (positive: ranked correctly), both replies' lengths in
 the reward model's tokens (`reward.batch.reply_tokens`: the reply alone), with the file and line the
 pair came from. The reward stage writes it as validation_pairs.jsonl beside metrics.json, and its
-Prefect task publishes it as a table (tasks/stage_reports.py).
+Prefect task publishes it as a table (tasks/stages/stage_reports.py).
 """
 
 from __future__ import annotations

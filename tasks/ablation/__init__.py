@@ -1,0 +1,1 @@
+"""An ablation's Prefect tasks: the shared base and one PPO run per variant, evaluated and compared."""

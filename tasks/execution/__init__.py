@@ -1,0 +1,1 @@
+"""How stage tasks execute: caching on content, retries, the training slot, core sharing, and remote hand-over."""

@@ -1,0 +1,1 @@
+"""The registered models as MLflow pyfuncs: the chat policy, its request checks, and the reward scorer."""

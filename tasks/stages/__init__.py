@@ -1,0 +1,1 @@
+"""The pipeline's stage tasks, and what one attempt of a stage runs in: its MLflow run, outputs, reports and registration."""
