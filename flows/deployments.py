@@ -7,7 +7,7 @@ Two ways to run them, from the same definitions:
 - `rlhf serve` serves them from this machine (flows/serving.py): no work pool or worker needed;
   press Run in the Prefect UI, fill in the form, and this process runs the flow;
 - `prefect deploy --all` reads `prefect.yaml`, which declares the same deployments for work pools
-  (tests/test_orchestration_deployments.py checks that the two agree): `rlhf-stage` on the GPU pool
+  (tests/orchestration/test_orchestration_deployments.py checks that the two agree): `rlhf-stage` on the GPU pool
   `rlhf-gpu`, the others on the CPU pool `rlhf-cpu`.
 
 Served deployments point at their flows by module path (`flows.pipeline.rlhf_pipeline`), which

@@ -29,7 +29,7 @@ stops the server, says in one line that it stopped and exits with 128 + the sign
 STOP_GRACE_S of the signal, or else kills the server and exits (flows/stop_signals.py); that deadline
 starts at the signal even when Prefect's flow engine takes it and waits for a task thread that trains on
 (an ablation's variants train in threads). The stage it stopped in has no `metrics.json`, so it is
-incomplete, and the same command run again resumes it (tasks/stages/resume.py). tests/test_run_signals.py checks
+incomplete, and the same command run again resumes it (tasks/stages/resume.py). tests/cli/test_run_signals.py checks
 it all.
 """
 

@@ -3,7 +3,7 @@
 Every command that reads the configuration takes `--config FILE` (an overlay on params.yaml,
 repeatable), `-s key.path=value` (repeatable) and `--params FILE`, and resolves and validates the whole
 configuration before doing any work; stage commands write under `artifacts/<stage>/` unless `--out DIR`
-says otherwise (README.md, "Configuration", lists each command's options; tests/test_cli_help.py keeps
+says otherwise (README.md, "Configuration", lists each command's options; tests/cli/test_cli_help.py keeps
 that list equal to `--help`). Failures exit non-zero with a one-line reason on stderr (a full or
 read-only file system: "cannot write <path>: no space left on device"; a pipeline stage's failure also
 names the stage, and the log file that holds the traceback); a traceback is shown on the terminal only

@@ -22,7 +22,7 @@ from rlhf_core.layout import default_output_dir
 
 # Click's plain help layout rather than Rich's tables: Rich prints a type tag (`<bool>`, `<str>`) beside
 # every option, flags and `--help` included; plain help shows each option's metavar below and nothing
-# for a flag (tests/test_cli_help.py keeps every help page free of type tags).
+# for a flag (tests/cli/test_cli_help.py keeps every help page free of type tags).
 HELP_FORMAT = None
 
 ConfigOption = Annotated[

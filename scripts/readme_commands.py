@@ -22,7 +22,7 @@ data/README.md starts with the fresh-clone DVC path (`rlhf data status`, a plain
 in that order.
 
 Not run: the install and test-suite lines (the CI's job), the S3 lines with the reader's own bucket
-(tests/test_dvc_data_add.py runs them on an rclone S3 server), and infra/README.md's compose stack (it
+(tests/data/test_dvc_data_add.py runs them on an rclone S3 server), and infra/README.md's compose stack (it
 needs a Docker daemon). Promotion is the UI's Run button in the README; here it is the same deployment
 run with `prefect deployment run`.
 """
@@ -50,7 +50,7 @@ QUICKSTART_DATA = "../shared/data/hh-rlhf-harmless/pairs-1800.jsonl.gz"
 SKIPPED = {
     "pip install": "the install: what CI does before the suite",
     "python3 -m pytest": "the test suite: what CI runs",
-    "dvc remote add s3": "the reader's own S3 remote (placeholders); tests/test_dvc_data_add.py runs these on rclone S3",
+    "dvc remote add s3": "the reader's own S3 remote (placeholders); tests/data/test_dvc_data_add.py runs these on rclone S3",
     "dvc remote modify": "the reader's own S3 remote (placeholders)",
     "export AWS_": "the reader's own S3 credentials (placeholders)",
     "rlhf data add new-pairs.jsonl --remote s3": "the reader's own S3 remote",

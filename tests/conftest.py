@@ -1,5 +1,5 @@
 """Fixtures shared by the whole suite. A test module uses these and the helpers of tests/fixtures/; it
-does not define its own copies (tests/test_shared_fixtures.py checks).
+does not define its own copies (tests/project/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
 Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,

@@ -1,7 +1,7 @@
 """Typed configuration: `params.yaml` + overlays + `key.path=value` overrides -> one validated `Config`.
 
 Each field's default and one-line meaning live on the field, in the module of its section; params.yaml
-repeats the defaults for readers and DVC (tests/test_config_params.py keeps the two equal). Validation
+repeats the defaults for readers and DVC (tests/data/test_config_params.py keeps the two equal). Validation
 happens at the edge, before any work starts: an unknown key, a wrong type or an out-of-range value raises
 `ConfigError` naming the key path, the bad value and what is allowed. Stages receive the frozen section
 they need; nothing else reads YAML or mutates a config.

@@ -2,7 +2,7 @@
 
 Each function is one detail of the recipe as a pure function of tensors and the `PPOConfig` switches;
 the trainer composes them (`assemble_experience` after a rollout, `loss_advantages` before an update,
-`policy_terms`, `value_terms` and `policy_objective` per micro-batch). tests/test_ppo_trainer_wiring.py
+`policy_terms`, `value_terms` and `policy_objective` per micro-batch). tests/ppo/test_ppo_trainer_wiring.py
 checks, switch by switch, that each changes exactly the tensors it should. The presets and the sources
 of their values: docs/stages-ppo.md.
 """

@@ -10,7 +10,7 @@ to the ``[B, vocab]`` float32 probabilities, one draw per row from torch's globa
 (`ppo.rollout.sampler`, sampling.py), a finished row's token replaced by the pad id, a stop once every
 row has emitted a stop id or the length cap is reached. With the `multinomial` sampler, float32 weights
 and the same random state it draws the same tokens as `HFGenerateEngine`
-(tests/test_rollout_engine.py), up to the float32 rounding of a different matmul kernel
+(tests/models/test_rollout_engine.py), up to the float32 rounding of a different matmul kernel
 (docs/rollout-engine.md measures it); the default `inverse_cdf` sampler draws from the same distribution
 with other random numbers, at a thirtieth of the cost.
 

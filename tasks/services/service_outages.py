@@ -7,7 +7,7 @@ Both clients already wait for their server, with bounded retries and exponential
   times (Prefect's default 5 is about 1 minute, which a minute-long outage used up; `rlhf run`
   makes it 7, about 4 minutes like MLflow's, unless the variable is set: `CLIENT_RETRY_SETTINGS`).
 So a server that comes back within those minutes costs the run that wait and nothing else: the stage goes on
-where it was (tests/test_service_outages.py stops each server mid-stage and starts it again).
+where it was (tests/orchestration/test_service_outages.py stops each server mid-stage and starts it again).
 
 A server that stays away longer fails the stage with the client's error. Retrying the stage would only wait the
 same minutes again (and an attempt that cannot reach MLflow cannot even open its run), so such a failure is not

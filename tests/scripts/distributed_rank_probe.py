@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_distributed_launcher.py: print a line, then fail.
+"""What each rank runs in tests/distributed/test_distributed_launcher.py: print a line, then fail.
 
 `--fail-rank R --message M`: rank R raises ValueError(M) (recorded for the launcher); every other rank
 waits until rank R's error record exists and then raises a secondary error of its own, unless the

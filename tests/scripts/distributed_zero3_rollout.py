@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_distributed_zero3_gather.py: PPO rollouts of a ZeRO-3 policy.
+"""What each rank runs in tests/distributed/test_distributed_zero3_gather.py: PPO rollouts of a ZeRO-3 policy.
 
 Builds the PPO trainer of the stage (tiny SFT and reward-model outputs given on the command line) on a
 2-rank ZeRO-3 process group, with the rollout engine `--engine` names, and counts, per rollout, how many

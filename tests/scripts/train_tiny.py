@@ -1,4 +1,4 @@
-"""A tiny, fully seeded training run that `tests/test_training_resume.py` starts, kills and restarts.
+"""A tiny, fully seeded training run that `tests/training/test_training_resume.py` starts, kills and restarts.
 
 It exercises everything resume must restore: dropout (torch RNG), a collate that draws from python's
 `random` and numpy's global generator (token noise), periodic validation with best-metric tracking,

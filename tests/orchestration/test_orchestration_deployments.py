@@ -71,7 +71,7 @@ def test_served_deployment_carries_the_spec(spec: DeploymentSpec) -> None:
         trigger.model_dump(exclude={"id"}) for trigger in spec.triggers
     ]
     # The default parameters must be valid input for the flow's form. The stage flow has no defaults:
-    # the pipeline sends each run its request (tests/test_gpu_pool.py).
+    # the pipeline sends each run its request (tests/distributed/test_gpu_pool.py).
     if spec.name != "rlhf-stage":
         spec.flow.validate_parameters(spec.parameters)
 

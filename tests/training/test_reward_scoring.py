@@ -210,7 +210,7 @@ def one_step_weights(
 ) -> dict[str, torch.Tensor]:
     """Trainable weights after one eq. (2) optimizer step on the four pairs through the real collate.
 
-    The large Adam epsilon makes the step proportional to the gradient (see tests/test_sft_loss.py).
+    The large Adam epsilon makes the step proportional to the gradient (see tests/training/test_sft_loss.py).
     """
     model = reward_model(tokenizer, layers=3, seed=1)
     freeze_all_but_top_layers(model, 1)

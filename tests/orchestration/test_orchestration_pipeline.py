@@ -7,7 +7,7 @@ One module-scoped scenario runs the tiny pipeline three times and every test ass
   B. the same settings again: every stage is a cache hit, the registry keeps its versions;
   C. one PPO parameter changed: PPO, evaluation and registration run again, the stages before it stay
      cached, and a new policy version becomes the challenger.
-(A deleted output being recomputed is checked in tests/test_orchestration_flow.py, in-process.)
+(A deleted output being recomputed is checked in tests/orchestration/test_orchestration_flow.py, in-process.)
 """
 
 import os

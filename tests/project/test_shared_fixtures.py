@@ -21,7 +21,7 @@ ROOT_NAMES = {"ROOT", "REPO", "PROJECT"}
 
 
 def suite_modules() -> list[Path]:
-    return sorted(TESTS.glob("test_*.py"))
+    return sorted(TESTS.rglob("test_*.py"))
 
 
 def fixture_modules() -> list[Path]:

@@ -1,5 +1,5 @@
 """Critic pretraining ends when the value loss stops improving, or at its cap; until then no iteration
-trains the policy. (The critic's initialisation: tests/test_ppo_stage.py.)"""
+trains the policy. (The critic's initialisation: tests/ppo/test_ppo_stage.py.)"""
 
 from __future__ import annotations
 

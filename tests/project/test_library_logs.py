@@ -5,7 +5,7 @@ while Prefect's and the project's messages stay on the terminal. Prefect's own r
 flow run (with their tracebacks) go to the file too, and the error carries the file's path, so that a
 stage failing inside `rlhf run` shows the stage lines and then one error line naming the stage and the
 file (slow: a real `rlhf run` on data that fails its first stage). The other commands are in
-tests/test_orchestration_cli.py (`rlhf run`), test_sft_stage.py and test_eval_cli.py."""
+tests/orchestration/test_orchestration_cli.py (`rlhf run`), test_sft_stage.py and test_eval_cli.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ One module-scoped scenario runs it five times and every test asserts on it:
   failing: the grid plus a variant whose PPO raises and one whose PPO hands on its start (the SFT model,
            not evaluated): the others are compared, then the flow fails;
   bad:     a variant with an unknown key: the flow fails before any task or MLflow run.
-(A variant killed mid-run resuming on rerun: tests/test_ablation_kill_resume.py.)
+(A variant killed mid-run resuming on rerun: tests/orchestration/test_ablation_kill_resume.py.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Sizes a newcomer can read: no package of `rlhf_core` above 25 modules, no source file outside
-tests/ above 450 lines, no function or method above 60 lines (decorators to last line, docstring
-included). Read from the source with `ast`, so nothing is imported.
+"""Sizes a newcomer can read: no package (folder of Python files) of the project, tests included, above 25
+modules; no source file outside tests/ above 450 lines, no function or method there above 60 lines
+(decorators to last line, docstring included). Read from the source with `ast`, so nothing is imported.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from fixtures.paths import ROOT
 
 SOURCE_DIRS = ("rlhf_core", "tasks", "flows", "rlhf_cli", "benchmarks", "scripts", "infra")
+PACKAGE_DIRS = (*SOURCE_DIRS, "tests")
 MAX_MODULES_PER_PACKAGE = 25
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 60
@@ -40,11 +41,24 @@ def test_the_source_is_found() -> None:
     assert ROOT / "rlhf_core" / "stages" / "sft.py" in files and len(files) > 100
 
 
-def test_no_core_package_holds_more_than_25_modules() -> None:
-    packages = [path for path in (ROOT / "rlhf_core").rglob("*") if path.is_dir() and path.name != "__pycache__"]
+def packages() -> Iterator[Path]:
+    """Every folder of PACKAGE_DIRS that holds Python files, the tops included, skipping hidden ones and caches."""
+    for top in PACKAGE_DIRS:
+        for folder in [ROOT / top, *sorted((ROOT / top).rglob("*"))]:
+            hidden = any(part.startswith(".") for part in folder.relative_to(ROOT).parts)
+            if folder.is_dir() and folder.name != "__pycache__" and not hidden and any(folder.glob("*.py")):
+                yield folder
+
+
+def test_every_package_is_found() -> None:
+    found = {str(folder.relative_to(ROOT)) for folder in packages()}
+    assert {"rlhf_core/ppo", "tasks/stages", "flows", "tests/ppo", "tests/fixtures"} <= found
+
+
+def test_no_package_holds_more_than_25_modules() -> None:
     crowded = {
         str(package.relative_to(ROOT)): count
-        for package in [ROOT / "rlhf_core", *packages]
+        for package in packages()
         if (count := len(list(package.glob("*.py")))) > MAX_MODULES_PER_PACKAGE
     }
     assert crowded == {}
