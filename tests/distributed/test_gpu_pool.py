@@ -1,8 +1,5 @@
-"""Training stages on a GPU work pool, handing files over by s3:// URI (tasks/execution/transfer.py, tasks/stages/remote.py,
-flows/remote_stage.py).
-
-Unit tests of the transfer against a real S3 server (`rclone serve s3`): a round trip, metrics.json
-uploaded last, a partial or corrupt upload never taken for a finished output.
+"""Training stages on a GPU work pool, handing files over by s3:// URI (tasks/execution/transfer.py,
+tasks/stages/remote.py, flows/remote_stage.py). The transfer itself: tests/distributed/test_remote_transfer.py.
 
 The integration scenario runs the pipeline the way infra/compose.yaml does, on loopback: two process
 work pools, `rlhf-cpu` for the pipeline flow and `rlhf-gpu` for the `rlhf-stage` deployment, each served
@@ -41,11 +38,10 @@ from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.workers.process import ProcessWorker
-from pydantic import ValidationError
 
 from flows.ablation import ABLATIONS_SUBDIR, COMPARISON_DIR, FLOW_TAG, rlhf_ablation
 from flows.deployments import CPU_POOL, DEPLOYMENTS, GPU_POOL
-from flows.pipeline import PipelineSettings, rlhf_pipeline
+from flows.pipeline import rlhf_pipeline
 from rlhf_core.ablation.report import COMPARISON_JSON
 from rlhf_core.config import load_config
 from tasks.ablation.variant_tasks import VARIANT_TAG
@@ -54,20 +50,8 @@ from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, Trac
 from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.stages.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
 from tasks.stages.stage_runs import StageContext
-from tasks.execution.transfer import (
-    MANIFEST,
-    CorruptOutputError,
-    IncompleteOutputError,
-    download_output,
-    ensure_uploaded,
-    join_uri,
-    list_keys,
-    read_stored,
-    s3_client,
-    upload_output,
-)
+from tasks.execution.transfer import MANIFEST, ensure_uploaded, join_uri, list_keys, read_stored, s3_client
 
-TRANSFER_BUCKET = "rlhf-transfer-test"
 HANDOVER_BUCKET = "rlhf-handover"
 PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
 ABLATION_DEPLOYMENT_NAME = "gpu-pool-test"
@@ -75,134 +59,6 @@ ABLATION_STORE = f"s3://{HANDOVER_BUCKET}/ablation-store"
 VARIANTS = ("vanilla", "ppo_max")  # TINY_GRID's
 WORKER_START_TIMEOUT_S = 120.0
 FLOW_RUN_TIMEOUT_S = 600
-
-
-# ------------------------------------------------------------------------------------------------
-# the transfer, against the S3 server
-
-
-def make_output(out_dir: Path, weights: bytes = b"weights-0") -> StageOutput:
-    """A finished training-stage directory: model files, records, checkpoints, metrics.json last."""
-    (out_dir / "model").mkdir(parents=True)
-    (out_dir / "model" / "model.safetensors").write_bytes(weights)
-    (out_dir / "model" / "config.json").write_text('{"layers": 2}')
-    (out_dir / "history.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
-    (out_dir / "checkpoints" / "step-2").mkdir(parents=True)
-    (out_dir / "checkpoints" / "step-2" / "state.pt").write_bytes(b"optimizer state")
-    (out_dir / COMPLETE_MARKER).write_text('{"final_loss": 2.5}')
-    return StageOutput(
-        stage="sft",
-        out_dir=out_dir,
-        sha256=output_sha256(out_dir, out_dir / "model"),
-        metrics={"final_loss": 2.5},
-        model_dir=out_dir / "model",
-        mlflow_run_id="run-1",
-    )
-
-
-def record_put_keys(client: BaseClient) -> list[str]:
-    """The keys of the PutObject calls `client` makes from now on, in order (a botocore event hook)."""
-    keys: list[str] = []
-    client.meta.events.register("before-parameter-build.s3.PutObject", lambda params, **_: keys.append(params["Key"]))
-    return keys
-
-
-@pytest.fixture
-def store(s3_server: S3Server, tmp_path: Path) -> tuple[BaseClient, str]:
-    """A client of the S3 server and a fresh s3:// prefix for one test."""
-    s3_server.create_bucket(TRANSFER_BUCKET)
-    return s3_server.client(), f"s3://{TRANSFER_BUCKET}/{tmp_path.name}/sft"
-
-
-def test_round_trip_keeps_the_output_and_uploads_metrics_last(store: tuple[BaseClient, str], tmp_path: Path) -> None:
-    client, uri = store
-    output = make_output(tmp_path / "trained")
-    put_keys = record_put_keys(client)
-
-    stored = upload_output(output, uri, client)
-
-    prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
-    assert put_keys[-2:] == [prefix + MANIFEST, prefix + COMPLETE_MARKER]
-    assert sorted(list_keys(client, TRANSFER_BUCKET, prefix)) == sorted(
-        prefix + name
-        for name in ("model/model.safetensors", "model/config.json", "history.jsonl", MANIFEST, COMPLETE_MARKER)
-    )  # checkpoints stay where the stage trained
-    assert stored.uri == f"{uri}/" and read_stored(uri, client) == stored
-
-    fetched = download_output(stored, tmp_path / "fetched", client)
-    fetched_dir = tmp_path / "fetched"
-    assert fetched == output.model_copy(update={"out_dir": fetched_dir, "model_dir": fetched_dir / "model"})
-    assert fetched.is_intact()
-    assert (tmp_path / "fetched/model/model.safetensors").read_bytes() == b"weights-0"
-    assert (tmp_path / "fetched/history.jsonl").read_text() == (tmp_path / "trained/history.jsonl").read_text()
-    assert not (tmp_path / "fetched" / MANIFEST).exists() and not (tmp_path / "fetched/checkpoints").exists()
-
-
-def test_an_upload_without_metrics_is_not_an_output(store: tuple[BaseClient, str], tmp_path: Path) -> None:
-    client, uri = store
-    stored = upload_output(make_output(tmp_path / "trained"), uri, client)
-    bucket_prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
-    client.delete_object(Bucket=TRANSFER_BUCKET, Key=bucket_prefix + COMPLETE_MARKER)  # as if cut off before it
-
-    with pytest.raises(IncompleteOutputError, match="no metrics.json"):
-        read_stored(uri, client)
-    with pytest.raises(IncompleteOutputError):
-        download_output(stored, tmp_path / "fetched", client)
-    assert not (tmp_path / "fetched").exists()
-    # ensure_uploaded does not trust the incomplete upload: it uploads again, metrics last.
-    put_keys = record_put_keys(client)
-    ensure_uploaded(make_output(tmp_path / "again"), uri, client)
-    assert put_keys[-1] == bucket_prefix + COMPLETE_MARKER
-
-
-def test_reupload_replaces_and_same_content_is_not_uploaded_twice(
-    store: tuple[BaseClient, str], tmp_path: Path
-) -> None:
-    client, uri = store
-    first = make_output(tmp_path / "first")
-    (first.out_dir / "model" / "stale.bin").write_bytes(b"only in the first output")
-    first = first.model_copy(update={"sha256": output_sha256(first.out_dir, first.model_dir)})
-    upload_output(first, uri, client)
-    second = make_output(tmp_path / "second", weights=b"weights-1")
-
-    stored = ensure_uploaded(second, uri, client)  # different content: replaces the first
-    put_keys = record_put_keys(client)
-    assert ensure_uploaded(second, uri, client) == stored  # same content: nothing uploaded
-    assert put_keys == []
-
-    fetched = download_output(stored, tmp_path / "fetched", client)
-    assert fetched.sha256 == second.sha256
-    assert not (tmp_path / "fetched/model/stale.bin").exists()
-
-
-def test_corrupt_download_is_refused_and_leaves_the_old_directory(
-    store: tuple[BaseClient, str], tmp_path: Path
-) -> None:
-    client, uri = store
-    stored = upload_output(make_output(tmp_path / "trained"), uri, client)
-    earlier = make_output(tmp_path / "fetched", weights=b"an earlier download")
-    bucket_prefix = uri.removeprefix(f"s3://{TRANSFER_BUCKET}/") + "/"
-    client.put_object(Bucket=TRANSFER_BUCKET, Key=bucket_prefix + "model/model.safetensors", Body=b"bit rot")
-
-    with pytest.raises(CorruptOutputError, match=stored.sha256):
-        download_output(stored, tmp_path / "fetched", client)
-    assert earlier.is_intact()  # the directory it would have replaced is untouched
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["fetched", "trained"]  # no temporary left
-
-
-def test_remote_stages_need_an_s3_store_and_a_tracking_server() -> None:
-    with pytest.raises(ValidationError, match=r"remote\.store"):
-        PipelineSettings(remote={"stages": ["sft"]})
-    with pytest.raises(ValidationError, match=r"remote\.store"):
-        RemoteStages(stages=["ppo"], store="/mnt/shared/outputs")
-    with pytest.raises(ValidationError):
-        RemoteStages(stages=["evaluate"], store="s3://bucket/x")  # only training stages go remote
-    remote = RemoteStages(stages=["sft"], store="s3://bucket/runs")
-    with pytest.raises(ValueError, match="tracking server"):
-        remote.check_tracking("sqlite:///mlflow.db")
-    remote.check_tracking("http://mlflow:5000")
-    RemoteStages().check_tracking("sqlite:///mlflow.db")  # nothing remote: any store will do
-    assert PipelineSettings().remote.stages == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,15 +106,10 @@ def wait_for_workers(pools: dict[str, _Server], timeout_s: float) -> None:
                 time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def scenario(
-    tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlflow_server: str, s3_server: S3Server
-) -> Iterator[Scenario]:
-    s3_server.create_bucket(HANDOVER_BUCKET)
-    data = write_topic_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl", 160)
-    cpu_dir, gpu_dir = tmp_path_factory.mktemp("cpu-worker"), tmp_path_factory.mktemp("gpu-worker")
+def worker_env(prefect_server: str, mlflow_server: str, s3_server: S3Server) -> dict[str, str]:
+    """The environment of both pools' workers: the servers of this session, quick polling, one thread."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env |= {
+    return env | {
         "PREFECT_API_URL": prefect_server,
         "PREFECT_WORKER_QUERY_SECONDS": "1",  # pick up new flow runs within a second
         "PREFECT_WORKER_HEARTBEAT_SECONDS": "2",
@@ -269,25 +120,41 @@ def scenario(
         "AWS_ENDPOINT_URL": s3_server.endpoint_url,
         "OMP_NUM_THREADS": "1",
     }
+
+
+def deploy_to_pools(cpu_dir: Path, gpu_dir: Path) -> UUID:
+    """Both process pools, the pipeline deployed to the CPU pool and `rlhf-stage` to the GPU pool; returns
+    the stage deployment's id. Each flow run works in its worker's directory (the pool's `working_dir`)."""
+    create_process_pool(CPU_POOL)
+    create_process_pool(GPU_POOL)
     (stage_spec,) = [spec for spec in DEPLOYMENTS if spec.work_pool == GPU_POOL]
+    stage_deployment_id = stage_spec.flow.to_deployment(
+        name=stage_spec.name,
+        work_pool_name=GPU_POOL,
+        job_variables={"working_dir": str(gpu_dir)},
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    ).apply()
+    rlhf_pipeline.to_deployment(
+        name=PIPELINE_DEPLOYMENT_NAME,
+        work_pool_name=CPU_POOL,
+        job_variables={"working_dir": str(cpu_dir)},
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    ).apply()
+    return stage_deployment_id
+
+
+@pytest.fixture(scope="module")
+def scenario(
+    tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlflow_server: str, s3_server: S3Server
+) -> Iterator[Scenario]:
+    s3_server.create_bucket(HANDOVER_BUCKET)
+    data = write_topic_pairs(tmp_path_factory.mktemp("data") / "pairs.jsonl", 160)
+    cpu_dir, gpu_dir = tmp_path_factory.mktemp("cpu-worker"), tmp_path_factory.mktemp("gpu-worker")
+    env = worker_env(prefect_server, mlflow_server, s3_server)
     workers: list[_Server] = []
     try:
         with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
-            create_process_pool(CPU_POOL)
-            create_process_pool(GPU_POOL)
-            # Each flow run works in its worker's directory (the process pool's `working_dir`).
-            stage_deployment_id = stage_spec.flow.to_deployment(
-                name=stage_spec.name,
-                work_pool_name=GPU_POOL,
-                job_variables={"working_dir": str(gpu_dir)},
-                entrypoint_type=EntrypointType.MODULE_PATH,
-            ).apply()
-            rlhf_pipeline.to_deployment(
-                name=PIPELINE_DEPLOYMENT_NAME,
-                work_pool_name=CPU_POOL,
-                job_variables={"working_dir": str(cpu_dir)},
-                entrypoint_type=EntrypointType.MODULE_PATH,
-            ).apply()
+            stage_deployment_id = deploy_to_pools(cpu_dir, gpu_dir)
             workers += [start_worker(CPU_POOL, cpu_dir, env), start_worker(GPU_POOL, gpu_dir, env)]
             wait_for_workers(dict(zip((CPU_POOL, GPU_POOL), workers)), WORKER_START_TIMEOUT_S)
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
@@ -147,20 +148,24 @@ def tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return uri
 
 
-def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tracking_uri: str, tmp_path: Path) -> None:
-    generations = tmp_path / "eval" / "generations.jsonl"
-    pairs = write_pairs(generations)
-    seed = seed_for(pairs, SWAPPED)
-    out_dir = tmp_path / "human"
-    tag_1, tag_2 = (f"human-eval-test-{uuid4().hex[:8]}" for _ in range(2))
-    expected: dict[str, str] = {}  # pair key -> verdict, from what the forms showed
-    answered: set[str] = set()
+@dataclass
+class Sessions:
+    """Two human-evaluation sessions on one output directory, and what their forms showed."""
 
-    # ---- session 1: pairs 1 and 2 answered, killed with pair 3's form open
-    log_path = tmp_path / "session1.log"
+    pairs: list[GeneratedPair]
+    generations: Path
+    out_dir: Path
+    seed: int
+    expected: dict[str, str] = field(default_factory=dict)  # pair key -> verdict, from what the forms showed
+    answered: set[str] = field(default_factory=set)
+
+
+def session_1_killed_at_pair_3(sessions: Sessions, tag: str, log_path: Path) -> None:
+    """Pairs 1 and 2 answered in a subprocess's forms, then killed with pair 3's form open."""
+    arguments = [sessions.out_dir, sessions.generations, sessions.seed, 1]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, settings(out_dir, generations, seed, 1).model_dump_json(), tag_1],
+            [sys.executable, "-c", DRIVER, settings(*arguments).model_dump_json(), tag],
             cwd=ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=log,
@@ -168,62 +173,97 @@ def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tra
             start_new_session=True,
         )
 
-    def session_1_alive() -> None:
+    def alive() -> None:
         if process.poll() is not None:
             raise AssertionError(f"session 1 exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
 
     try:
         for position, choice in ((1, "reply 1"), (2, "reply 1")):
-            run_id, key, description = wait_for_form(tag_1, answered, session_1_alive)
+            run_id, key, description = wait_for_form(tag, sessions.answered, alive)
             assert f"# Human evaluation: pair {position} of 4" in description
-            first = shown_first(description, position, pairs[position - 1])
+            first = shown_first(description, position, sessions.pairs[position - 1])
             assert first == ("B" if SWAPPED[position - 1] else "A")  # the seeded order, as shown
             resume_flow_run(run_id, run_input={choice_field(position): choice, comment_field(position): ""})
-            answered.add(key)
-            expected[pairs[position - 1].pair.pair_key] = credited(choice, first)
-        run_id, key, description = wait_for_form(tag_1, answered, session_1_alive)
+            sessions.answered.add(key)
+            sessions.expected[sessions.pairs[position - 1].pair.pair_key] = credited(choice, first)
+        run_id, key, description = wait_for_form(tag, sessions.answered, alive)
         assert "# Human evaluation: pair 3 of 4" in description
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
-    assert expected[pairs[0].pair.pair_key] == "B"  # "reply 1" on the swapped pair credits model B
-    assert len((out_dir / "answers.jsonl").read_text().splitlines()) == 2
 
-    # ---- session 2: same directory, two pairs per form: only pairs 3 and 4 are asked, in one form
+
+def session_2_answers_the_rest(sessions: Sessions, tag: str) -> tuple[UUID, dict[str, Any]]:
+    """The same directory, two pairs per form, in this process: only pairs 3 and 4 are asked, in one form.
+    Returns the flow run's id and the flow's result."""
     outcome: dict[str, Any] = {}
 
     def run_session_2() -> None:
         try:
-            with tags(tag_2):
-                outcome["metrics"] = rlhf_human_eval(settings(out_dir, generations, seed + 1, 2))
+            with tags(tag):
+                arguments = (sessions.out_dir, sessions.generations, sessions.seed + 1, 2)
+                outcome["metrics"] = rlhf_human_eval(settings(*arguments))
         except Exception as error:  # reported by the test thread
             outcome["error"] = error
 
     thread = threading.Thread(target=contextvars.copy_context().run, args=(run_session_2,), daemon=True)
     thread.start()
 
-    def session_2_alive() -> None:
+    def alive() -> None:
         if "error" in outcome:
             raise AssertionError(f"session 2 failed: {outcome['error']!r}")
 
-    run_id, key, description = wait_for_form(tag_2, answered, session_2_alive)
+    run_id, key, description = wait_for_form(tag, sessions.answered, alive)
     assert "# Human evaluation: pairs 3-4 of 4" in description
     assert "## Pair 1 of" not in description and "## Pair 2 of" not in description
     run_input = {}
     for position, choice in ((3, "reply 2"), (4, "tie")):
-        first = shown_first(description, position, pairs[position - 1])
+        first = shown_first(description, position, sessions.pairs[position - 1])
         run_input |= {choice_field(position): choice, comment_field(position): f"pair {position}"}
-        expected[pairs[position - 1].pair.pair_key] = credited(choice, first)
+        sessions.expected[sessions.pairs[position - 1].pair.pair_key] = credited(choice, first)
     resume_flow_run(run_id, run_input=run_input)
     thread.join(timeout=FORM_TIMEOUT_S)
     assert not thread.is_alive() and "error" not in outcome, outcome
-    assert tagged_run(tag_2).state.type == StateType.COMPLETED
+    assert tagged_run(tag).state.type == StateType.COMPLETED
+    return run_id, outcome["metrics"]
 
-    # ---- the report: verdicts as credited, counts, and the same files and formats as the other judges
+
+def check_tracked(run_id: UUID, tracking_uri: str) -> None:
+    """The report artifact of the flow run, and the MLflow run of the human evaluation."""
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[REPORT_ARTIFACT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])
+            )
+        )
+    assert len(artifacts) == 1 and "**Judge:** people (human evaluation): people" in str(artifacts[0].data)
+    mlflow_client = MlflowClient(tracking_uri)
+    [run] = mlflow_client.search_runs(
+        [mlflow_client.get_experiment_by_name("rlhf-pipeline").experiment_id], "tags.`rlhf.stage` = 'human-eval'"
+    )
+    assert run.data.metrics["win_rate"] == pytest.approx(0.5)
+    assert run.data.params["judge"] == "human" and run.data.tags["prefect.flow_run_id"] == str(run_id)
+    artifact_paths = {item.path for item in mlflow_client.list_artifacts(run.info.run_id)}
+    assert artifact_paths >= {"verdicts.jsonl", "report.md", "plots"}
+
+
+def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tracking_uri: str, tmp_path: Path) -> None:
+    generations = tmp_path / "eval" / "generations.jsonl"
+    pairs = write_pairs(generations)
+    sessions = Sessions(pairs, generations, tmp_path / "human", seed_for(pairs, SWAPPED))
+    tag_1, tag_2 = (f"human-eval-test-{uuid4().hex[:8]}" for _ in range(2))
+    out_dir = sessions.out_dir
+
+    session_1_killed_at_pair_3(sessions, tag_1, tmp_path / "session1.log")
+    assert sessions.expected[pairs[0].pair.pair_key] == "B"  # "reply 1" on the swapped pair credits model B
+    assert len((out_dir / "answers.jsonl").read_text().splitlines()) == 2
+    run_id, metrics = session_2_answers_the_rest(sessions, tag_2)
+
+    # the report: verdicts as credited, counts, and the same files and formats as the other judges
     judge, verdicts = read_verdicts(out_dir / "verdicts.jsonl")
     assert judge == "human"
-    assert {key: verdict.value for key, verdict in verdicts.items()} == expected
-    assert expected == {
+    assert {key: verdict.value for key, verdict in verdicts.items()} == sessions.expected
+    assert sessions.expected == {
         pairs[0].pair.pair_key: "B",
         pairs[1].pair.pair_key: "A",
         pairs[2].pair.pair_key: "A",
@@ -232,28 +272,9 @@ def test_human_eval_paused_resumed_interrupted_and_resumed(prefect_api: str, tra
     report = json.loads((out_dir / "report.json").read_text())
     assert (report["overall"]["wins"], report["overall"]["ties"], report["overall"]["losses"]) == (2, 1, 1)
     assert report["judge"]["kind"] == "human" and report["judge"]["figures"]["sessions"] == 2
-    assert outcome["metrics"] == json.loads((out_dir / "metrics.json").read_text())
-    assert json.loads((out_dir / PLAN_FILE).read_text())["seed"] == seed  # session 2's seed did not replace it
+    assert metrics == json.loads((out_dir / "metrics.json").read_text())
+    assert json.loads((out_dir / PLAN_FILE).read_text())["seed"] == sessions.seed  # session 2's did not replace it
     answers = [json.loads(line) for line in (out_dir / "answers.jsonl").read_text().splitlines()]
     assert [row["pair_key"] for row in answers] == [pair.pair.pair_key for pair in pairs]
     assert [row["comment"] for row in answers] == ["", "", "pair 3", "pair 4"]
-
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[REPORT_ARTIFACT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])
-            )
-        )
-    assert len(artifacts) == 1 and "**Judge:** people (human evaluation): people" in str(artifacts[0].data)
-
-    mlflow_client = MlflowClient(tracking_uri)
-    [run] = mlflow_client.search_runs(
-        [mlflow_client.get_experiment_by_name("rlhf-pipeline").experiment_id], "tags.`rlhf.stage` = 'human-eval'"
-    )
-    assert run.data.metrics["win_rate"] == pytest.approx(0.5)
-    assert run.data.params["judge"] == "human" and run.data.tags["prefect.flow_run_id"] == str(run_id)
-    assert {item.path for item in mlflow_client.list_artifacts(run.info.run_id)} >= {
-        "verdicts.jsonl",
-        "report.md",
-        "plots",
-    }
+    check_tracked(run_id, tracking_uri)

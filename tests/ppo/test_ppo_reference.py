@@ -84,16 +84,8 @@ def token_values(critic: Critic, row: Row) -> Tensor:
     return values[start : start + len(row.response)]
 
 
-def plain_ppo_update(
-    policy: nn.Module, critic: Critic, reference: nn.Module, rows: list[Row], config: PPOConfig
-) -> dict[str, list[Tensor]]:
-    """One PPO-max iteration's learning, written out plainly (paper sections 3.2, 5.3.1-5.3.3)."""
-    with torch.no_grad():
-        old_logp = [token_logprobs(policy, row) for row in rows]
-        ref_logp = [token_logprobs(reference, row) for row in rows]
-        old_values = [token_values(critic, row) for row in rows]
-
-    # 5.3.1: the running statistics see this batch's raw scores; the unfinished penalty comes after them
+def plain_scores(rows: list[Row], config: PPOConfig) -> list[float]:
+    """5.3.1: the running statistics see this batch's raw scores; the unfinished penalty comes after them."""
     raw = [row.score for row in rows]
     mean = sum(raw) / len(raw)
     std = math.sqrt(sum((s - mean) ** 2 for s in raw) / len(raw) + 1e-8)
@@ -105,19 +97,37 @@ def plain_ppo_update(
         if config.reward_clip is not None:
             score = max(-config.reward_clip, min(config.reward_clip, score))
         scores.append(score)
+    return scores
+
+
+def plain_gae(reward: list[float], values: Tensor, config: PPOConfig) -> list[float]:
+    """3.2: generalised advantage estimation over one reply, from its last token back."""
+    advantage = [0.0] * len(reward)
+    last_advantage, next_value = 0.0, 0.0
+    for t in reversed(range(len(reward))):
+        delta = reward[t] + config.gamma * next_value - float(values[t])
+        last_advantage = delta + config.gamma * config.lam * last_advantage
+        advantage[t] = last_advantage
+        next_value = float(values[t])
+    return advantage
+
+
+def plain_ppo_update(
+    policy: nn.Module, critic: Critic, reference: nn.Module, rows: list[Row], config: PPOConfig
+) -> dict[str, list[Tensor]]:
+    """One PPO-max iteration's learning, written out plainly (paper sections 3.2, 5.3.1-5.3.3)."""
+    with torch.no_grad():
+        old_logp = [token_logprobs(policy, row) for row in rows]
+        ref_logp = [token_logprobs(reference, row) for row in rows]
+        old_values = [token_values(critic, row) for row in rows]
+    scores = plain_scores(rows, config)
 
     # 5.3.2: per-token reward -eta * (log pi - log pi_ref), the score at the last token; GAE (3.2)
     rewards, advantages, returns = [], [], []
     for b, row in enumerate(rows):
         reward = [-config.kl_coef * float(old_logp[b][t] - ref_logp[b][t]) for t in range(len(row.response))]
         reward[-1] += scores[b]
-        advantage = [0.0] * len(reward)
-        last_advantage, next_value = 0.0, 0.0
-        for t in reversed(range(len(reward))):
-            delta = reward[t] + config.gamma * next_value - float(old_values[b][t])
-            last_advantage = delta + config.gamma * config.lam * last_advantage
-            advantage[t] = last_advantage
-            next_value = float(old_values[b][t])
+        advantage = plain_gae(reward, old_values[b], config)
         rewards.append(torch.tensor(reward))
         advantages.append(torch.tensor(advantage))
         returns.append(torch.tensor(advantage) + old_values[b])

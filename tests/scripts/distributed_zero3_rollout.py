@@ -18,8 +18,8 @@ import torch
 from deepspeed.comm import comm as ds_comm
 from deepspeed.runtime.zero import GatheredParameters
 
-from rlhf_core.config import load_config
-from rlhf_core.distributed.context import leave_process_group, stage_context
+from rlhf_core.config import Config, load_config
+from rlhf_core.distributed.context import RankContext, leave_process_group, stage_context
 from rlhf_core.ppo.trainer import PPOTrainer
 from rlhf_core.rollout.engine import HFGenerateEngine
 from rlhf_core.rollout.generation import generate_responses, left_pad, sampling_config
@@ -41,14 +41,19 @@ def count_calls(owner: object, name: str, counter: str) -> None:
     setattr(owner, name, counted)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--sft-dir", type=Path, required=True)
     parser.add_argument("--rm-dir", type=Path, required=True)
     parser.add_argument("--rollouts", type=int, required=True)
     parser.add_argument("--engine", choices=["hf", "lean"], required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def build_trainer(args: argparse.Namespace) -> tuple[Config, RankContext, PPOTrainer]:
+    """The stage's PPO trainer of the tiny models on a 2-rank ZeRO-3 group (joined first), sampling with
+    `--engine`."""
     config = load_config(
         ROOT / "params.yaml",
         overlays=[ROOT / "configs" / "tiny.yaml"],
@@ -63,37 +68,30 @@ def main() -> None:
     )
     context = stage_context(config.distributed)
     models, tokenizer = load_ppo_models(config, args.sft_dir, args.rm_dir, torch.device("cpu"))
-    trainer = PPOTrainer(
-        models,
-        tokenizer,
-        load_ppo_data(config, args.data_dir),
-        config.ppo,
-        config.seed,
-        distributed=config.distributed,
-    )
-    for name in ("all_gather", "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn"):
-        if hasattr(ds_comm.cdb, name):
-            count_calls(ds_comm.cdb, name, "all_gather")
-    count_calls(GatheredParameters, "__enter__", "whole_model_gathers")
-    policy = trainer.models.policy
-    during_generate: list[int] = []
+    data = load_ppo_data(config, args.data_dir)
+    trainer = PPOTrainer(models, tokenizer, data, config.ppo, config.seed, distributed=config.distributed)
+    return config, context, trainer
 
-    def counted(generate):
-        def counted_generate(*generate_args, **generate_kwargs):
-            before = counts["all_gather"]
-            output = generate(*generate_args, **generate_kwargs)
-            during_generate.append(counts["all_gather"] - before)
-            return output
 
-        return counted_generate
+def counted(generate, during_generate: list[int]):
+    """`generate`, appending to `during_generate` how many all-gathers ran inside each call."""
 
-    engine_class = LeanEngine if args.engine == "lean" else HFGenerateEngine
-    engine_class.generate = counted(engine_class.generate)
-    rollouts = []
-    for step in range(1, args.rollouts + 1):
+    def counted_generate(*generate_args, **generate_kwargs):
+        before = counts["all_gather"]
+        output = generate(*generate_args, **generate_kwargs)
+        during_generate.append(counts["all_gather"] - before)
+        return output
+
+    return counted_generate
+
+
+def run_rollouts(trainer: PPOTrainer, rollouts: int, during_generate: list[int]) -> list[dict[str, int]]:
+    """Rollouts with an update step after each: the whole-model gathers and the all-gathers in generate."""
+    records = []
+    for step in range(1, rollouts + 1):
         before = counts["whole_model_gathers"]
         experience, _ = trainer.rollout(step)
-        rollouts.append(
+        records.append(
             {
                 "whole_model_gathers": counts["whole_model_gathers"] - before,
                 "all_gathers_during_generate": during_generate[-1],
@@ -101,30 +99,54 @@ def main() -> None:
             }
         )
         trainer.learn(experience, step)
+    return records
+
+
+def compare_with_generate(config: Config, trainer: PPOTrainer, during_generate: list[int]) -> dict[str, object]:
+    """The engine's tokens against `generate` on the gathered, updated policy (same seed), and the control:
+    `generate` on the partitioned policy, layer by layer, every rank in step."""
+    policy = trainer.models.policy
     prompt_ids, prompt_mask = left_pad(trainer.maker.next_prompts(), trainer.maker.pad_id)
-    prompt = (prompt_ids, prompt_mask)
     torch.manual_seed(11)
-    engine_ids = trainer.maker.generate(prompt).response_ids
-    with torch.no_grad(), trainer.learner.whole_policy():  # the reference: generate on the gathered, updated policy
+    engine_ids = trainer.maker.generate((prompt_ids, prompt_mask)).response_ids
+    with torch.no_grad(), trainer.learner.whole_policy():
         torch.manual_seed(11)
-        stops = trainer.maker.stop_ids
-        reference_ids = generate_responses(policy, *prompt, config.ppo.rollout, stops, trainer.maker.pad_id)[0]
-    policy.generate = counted(policy.generate)
-    with torch.no_grad():  # the control: the partitioned policy, layer by layer, every rank in step
+        maker = trainer.maker
+        reference_ids = generate_responses(
+            policy, prompt_ids, prompt_mask, config.ppo.rollout, maker.stop_ids, maker.pad_id
+        )[0]
+    policy.generate = counted(policy.generate, during_generate)
+    with torch.no_grad():
         control = policy.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             generation_config=sampling_config(config.ppo.rollout, trainer.maker.stop_ids, trainer.maker.pad_id),
             synced_gpus=True,
         )
-    result = {
-        "rank": context.rank,
-        "world_size": context.world_size,
-        "partitioned": all(hasattr(p, "ds_id") for p in policy.parameters()),
-        "rollouts": rollouts,
+    return {
         "control_all_gathers_during_generate": during_generate[-1],
         "control_generated_columns": int(control.shape[1] - prompt_ids.shape[1]),
         "same_tokens_as_generate_after_update": bool(torch.equal(engine_ids, reference_ids)),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    config, context, trainer = build_trainer(args)
+    for name in ("all_gather", "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn"):
+        if hasattr(ds_comm.cdb, name):
+            count_calls(ds_comm.cdb, name, "all_gather")
+    count_calls(GatheredParameters, "__enter__", "whole_model_gathers")
+    during_generate: list[int] = []
+    engine_class = LeanEngine if args.engine == "lean" else HFGenerateEngine
+    engine_class.generate = counted(engine_class.generate, during_generate)
+    rollouts = run_rollouts(trainer, args.rollouts, during_generate)
+    result = {
+        "rank": context.rank,
+        "world_size": context.world_size,
+        "partitioned": all(hasattr(p, "ds_id") for p in trainer.models.policy.parameters()),
+        "rollouts": rollouts,
+        **compare_with_generate(config, trainer, during_generate),
     }
     print("ZERO3 " + json.dumps(result), flush=True)
     leave_process_group()  # as the stage worker does: exiting inside the group can abort a rank
