@@ -102,29 +102,31 @@ def make_handler(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 return self._send(500, {"error": {"message": "internal error"}})
             if "RATE_LIMITED" in question and first_time:
                 return self._send(429, {"error": {"message": "slow down", "type": "rate_limit"}})
-            self._send(
-                200,
-                {
-                    "id": "chatcmpl-test",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": scripted_answer(body["messages"])},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {
-                        "prompt_tokens": PROMPT_TOKENS,
-                        "completion_tokens": COMPLETION_TOKENS,
-                        "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
-                    },
-                },
-            )
+            self._send(200, chat_completion(body))
 
     return Handler
+
+
+def chat_completion(body: dict) -> dict:
+    """The OpenAI chat-completion object answering `body` with the scripted judge's answer."""
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body["model"],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": scripted_answer(body["messages"])},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": COMPLETION_TOKENS,
+            "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+        },
+    }
 
 
 @pytest.fixture()
