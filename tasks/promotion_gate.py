@@ -66,7 +66,7 @@ GUARD_DISABLED = "guard disabled"
 REQUIRED_GUARD_BOUNDS = {"guard_length_band": "length band", "guard_kl_bound": "KL bound"}
 NOT_REQUIRED = "not required (promotion.require_no_collapse: false)"
 NO_COLLAPSE_BOUND = "guard on with length band and KL bound, guard_stopped == 0"
-NOT_IDENTIFIABLE = "not identifiable: too few anchor pairs (the baseline against itself) to separate quality from length"
+NOT_IDENTIFIABLE = "not identifiable: the verdicts cannot separate quality from length (the evaluation's report says why)"
 
 
 class GateCheck(BaseModel):
