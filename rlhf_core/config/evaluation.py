@@ -45,6 +45,20 @@ class EvaluationConfig(Section):
         "i-th, for i below this, bootstrapped over prompts (docs/evaluation.md); null: every reply drawn "
         "(length_matched_samples); 1: the main pair alone, as AlpacaEval. Each pair above 1 is judged too.",
     )
+    min_anchor_pairs: int = Field(
+        30,
+        ge=1,
+        description="Anchor pairs (model B's replies to a prompt against each other, judged too) whose length "
+        "difference reaches the compared pairs' median |dlen| that the length-controlled win rate needs; with "
+        "fewer it is reported not identifiable, and the promotion gate fails it (docs/evaluation.md).",
+    )
+    min_informative_pairs: float = Field(
+        60,
+        ge=0,
+        description="Compared pairs not decided by length alone (sum of 4 p (1 - p), p the judge's preference the "
+        "anchor-measured length terms predict) the length-controlled win rate needs; with fewer it is reported "
+        "not identifiable: the judge's length preference leaves no room to see a gain beyond it.",
+    )
     tie_margin: float = Field(0.0, ge=0, description="RM judge: a score margin under this is a tie.")
     judge_rm: Literal["in_sample", "independent"] = Field(
         "independent",

@@ -82,11 +82,38 @@ class CollapseGuardConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        """Whether any bound is set (the finite check of losses and gradients runs either way)."""
+        """Whether any bound is set, one side of the length band included (the finite check of losses and
+        gradients runs either way)."""
         return any(
             bound is not None
             for bound in (self.max_kl, self.min_length_ratio, self.max_length_ratio, self.max_perplexity_drop)
         )
+
+    def bounds_on(self) -> dict[str, bool]:
+        """Each bound by its metrics.json name and whether it is set: `guard_kl_bound` (max_kl),
+        `guard_length_band` (both min_length_ratio and max_length_ratio: a one-sided band lets a collapse
+        the other way through), `guard_perplexity_bound` (max_perplexity_drop)."""
+        return {
+            "guard_kl_bound": self.max_kl is not None,
+            "guard_length_band": self.min_length_ratio is not None and self.max_length_ratio is not None,
+            "guard_perplexity_bound": self.max_perplexity_drop is not None,
+        }
+
+    def describe(self) -> str:
+        """Each bound, on or off, e.g. `KL <= 0.5; length band [0.67, 1.5]; perplexity drop <= 0.5`;
+        a band with one side set is `length band off (only min_length_ratio 0.67)`."""
+        kl = "KL bound off" if self.max_kl is None else f"KL <= {self.max_kl:g}"
+        low, high = self.min_length_ratio, self.max_length_ratio
+        if low is not None and high is not None:
+            band = f"length band [{low:g}, {high:g}]"
+        elif low is None and high is None:
+            band = "length band off"
+        else:
+            side = f"min_length_ratio {low:g}" if low is not None else f"max_length_ratio {high:g}"
+            band = f"length band off (only {side})"
+        drop = self.max_perplexity_drop
+        perplexity = "perplexity bound off" if drop is None else f"perplexity drop <= {drop:g}"
+        return f"{kl}; {band}; {perplexity}"
 
 
 class PPOConfig(Section):

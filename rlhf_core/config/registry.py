@@ -54,7 +54,9 @@ class PromotionConfig(Section):
         0.3, gt=0, description="Bound on the PPO policy's per-token KL to the reference (val/kl_best); null: none."
     )
     require_no_collapse: bool = Field(
-        True, description="Refuse a policy whose PPO run the collapse guard stopped, or ran without (guard_enabled 0)."
+        True,
+        description="Refuse a policy whose PPO run the collapse guard stopped, or ran without the guard or without "
+        "its length band or KL bound; false: the check passes, recorded in the decision as not required.",
     )
     judge_reward_model: str | None = Field(
         None,

@@ -14,6 +14,9 @@ generations_matched.jsonl / verdicts_matched.jsonl: the same lines for the lengt
 generations_samples.jsonl / verdicts_samples.jsonl: the same lines for the further same-index pairs the
     length-controlled win rate is fitted on (A's i-th reply against B's i-th, i >= 1; the main pair is
     i = 0), generations with `sample` added: i
+generations_anchors.jsonl / verdicts_anchors.jsonl: the anchor pairs of the length-controlled win rate,
+    model B's replies to a prompt against each other (reply_a: B's i-th, reply_b: B's (i+1)-th, for every
+    i of its drawn replies), generations with `sample_a` and `sample_b` added: i and i + 1
 
 Any later judge (the human-evaluation flow) reads the pairs back with `read_generations`, so every
 judge sees the same pairs; `read_verdicts` gives another judge's verdicts by pair key, for agreement.
@@ -41,6 +44,8 @@ MATCHED_GENERATIONS_FILE = "generations_matched.jsonl"
 MATCHED_VERDICTS_FILE = "verdicts_matched.jsonl"
 SAMPLE_GENERATIONS_FILE = "generations_samples.jsonl"
 SAMPLE_VERDICTS_FILE = "verdicts_samples.jsonl"
+ANCHOR_GENERATIONS_FILE = "generations_anchors.jsonl"
+ANCHOR_VERDICTS_FILE = "verdicts_anchors.jsonl"
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,17 @@ def sample_generation_rows(
         for sample in range(1, pairs_per_prompt):
             (row,) = generation_rows([prompt], [replies_a[sample]], [replies_b[sample]])
             rows.append({**row, "sample": sample})
+    return rows
+
+
+def anchor_generation_rows(prompts: Sequence[EvalPrompt], samples_b: Sequence[Sequence[Reply]]) -> list[dict[str, Any]]:
+    """The lines of generations_anchors.jsonl: for each prompt, model B's i-th reply against its (i+1)-th
+    (samples_b[p]: B's replies to prompt p, the main one first); none for a prompt with one reply."""
+    rows = []
+    for prompt, replies in zip(prompts, samples_b, strict=True):
+        for sample in range(len(replies) - 1):
+            (row,) = generation_rows([prompt], [replies[sample]], [replies[sample + 1]])
+            rows.append({**row, "sample_a": sample, "sample_b": sample + 1})
     return rows
 
 

@@ -43,12 +43,17 @@ def ppo_evidence_markdown(policy_dir: Path) -> str | None:
     return "\n".join(lines) + "\n"
 
 
+GUARD_BOUND_NAMES = {"guard_kl_bound": "KL bound", "guard_length_band": "length band", "guard_perplexity_bound": "perplexity bound"}
+
+
 def _guard_line(metrics: dict[str, float]) -> str:
     if metrics.get("guard_enabled") == 0.0:
         return "was disabled (every ppo.guard bound null): nothing watched this run for collapse"
+    off = [name for key, name in GUARD_BOUND_NAMES.items() if metrics.get(key) == 0.0]
+    bounds = f" ({', '.join(off)} off)" if off else ""
     if metrics.get("guard_stopped"):
-        return f"stopped the run at iteration {int(metrics['guard_stop_step'])}"
-    return "did not fire"
+        return f"stopped the run at iteration {int(metrics['guard_stop_step'])}{bounds}"
+    return f"did not fire{bounds}"
 
 
 def _optional(metrics: dict[str, float], name: str) -> str:

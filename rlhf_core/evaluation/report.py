@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
-from rlhf_core.evaluation.length_control import LengthControlledWinRate, length_controlled_win_rate
+from rlhf_core.evaluation.length_control import LengthControlledWinRate, summarise_length_control
 # One bound for "similar length" in the report and in the reward models' length-matched accuracy.
 from rlhf_core.reward.length_metrics import LENGTH_MATCH_RATIO as SIMILAR_LENGTH_RATIO
 from rlhf_core.statistics import (
@@ -176,13 +176,19 @@ class EvaluationReport(BaseModel):
     def metrics(self) -> dict[str, float]:
         """The flat figures of metrics.json (undefined ones left out), the length-controlled ones first."""
         figures: dict[str, float] = {}
-        if self.length_controlled is not None:
-            figures["lc_win_rate"] = self.length_controlled.rate
-            figures["lc_win_rate_low"] = self.length_controlled.low
-            figures["lc_win_rate_high"] = self.length_controlled.high
-            figures["lc_pairs"] = float(self.length_controlled.pairs)
-            figures["lc_prompts"] = float(self.length_controlled.prompts)
-            figures["lc_length_coefficient"] = self.length_controlled.phi
+        controlled = self.length_controlled
+        if controlled is not None:
+            if controlled.identifiable:  # else no number: the fit cannot tell quality from length
+                figures["lc_win_rate"] = controlled.rate
+                figures["lc_win_rate_low"] = controlled.low
+                figures["lc_win_rate_high"] = controlled.high
+                figures["lc_length_coefficient"] = controlled.phi
+            figures["lc_identifiable"] = float(controlled.identifiable)
+            figures["lc_pairs"] = float(controlled.pairs)
+            figures["lc_prompts"] = float(controlled.prompts)
+            figures["lc_anchor_pairs"] = float(controlled.anchor_pairs)
+            figures["lc_anchors_reaching"] = float(controlled.anchors_reaching)
+            figures["lc_informative_pairs"] = controlled.informative_pairs
         if self.length.length_ratio is not None:
             figures["length_ratio"] = self.length.length_ratio
         if self.length_matched is not None:
@@ -284,29 +290,6 @@ def summarise_score_differences(
     return ScoreDifference(pairs=len(differences), mean=sum(differences) / len(differences), low=low, high=high)
 
 
-def summarise_length_control(
-    pairs_by_prompt: Sequence[Sequence[JudgedPair]], seed: int, resamples: int = DEFAULT_RESAMPLES
-) -> LengthControlledWinRate | None:
-    """The length-controlled win rate over the pairs with a valid verdict (A win 1, tie 0.5, B win 0),
-    bootstrapped over the prompts (`pairs_by_prompt[p]`: prompt p's judged pairs); None when there is none."""
-    valid = [
-        (prompt, pair)
-        for prompt, pairs in enumerate(pairs_by_prompt)
-        for pair in pairs
-        if pair.verdict is not Verdict.INVALID
-    ]
-    if not valid:
-        return None
-    return length_controlled_win_rate(
-        [(pair.verdict.outcome + 1) / 2 for _, pair in valid],
-        [pair.tokens_a - pair.tokens_b for _, pair in valid],
-        CONFIDENCE,
-        resamples,
-        seed,
-        groups=[prompt for prompt, _ in valid],
-    )
-
-
 def summarise_length_matched(
     pairs: Sequence[JudgedPair], samples_per_model: int, seed: int, resamples: int = DEFAULT_RESAMPLES
 ) -> LengthMatchedSummary:
@@ -403,11 +386,17 @@ def build_report(
     length_matched: Sequence[JudgedPair] | None = None,
     samples_per_model: int = 1,
     length_control_pairs: Sequence[Sequence[JudgedPair]] | None = None,
+    anchor_pairs: Sequence[Sequence[JudgedPair]] | None = None,
+    min_anchor_pairs: int = 0,
+    min_informative_pairs: float = 0.0,
 ) -> EvaluationReport:
     """The report of judged `pairs` (one per prompt, the main replies); `other_judges` maps a judge's name
     to its verdicts by pair key; `length_matched`: the judged length-matched pairs, drawn from
     `samples_per_model` replies per prompt and model (None: none were drawn); `length_control_pairs`:
-    per prompt, the judged pairs the length-controlled win rate is fitted on (None: its main pair alone)."""
+    per prompt, the judged pairs the length-controlled win rate is fitted on (None: its main pair alone);
+    `anchor_pairs`: per prompt (the same order), the judged pairs of B's replies against each other, the
+    fit's anchor rows (None: none, and the length-controlled win rate is not identifiable);
+    `min_anchor_pairs`, `min_informative_pairs`: `evaluation.min_anchor_pairs`, `min_informative_pairs`."""
     if not pairs:
         raise ValueError("build_report: no judged pairs")
     verdicts = [pair.verdict for pair in pairs]
@@ -434,8 +423,9 @@ def build_report(
         alignment_tax=None if alignment_tax is None else summarise_alignment_tax(alignment_tax),
         score_diff=summarise_score_differences(pairs, seed, resamples),
         length_controlled=summarise_length_control(
-            [[pair] for pair in pairs] if length_control_pairs is None else length_control_pairs, seed, resamples
-        ),
+            [[pair] for pair in pairs] if length_control_pairs is None else length_control_pairs,
+            CONFIDENCE, seed, resamples, anchor_pairs, min_anchor_pairs, min_informative_pairs,
+        ),  # fmt: skip
         length_matched=(
             None
             if length_matched is None

@@ -48,14 +48,23 @@ def _length_controlled_line(report: EvaluationReport) -> str:
     result = report.length_controlled
     if result is None:
         return "- **Length-controlled win rate of A:** n/a (no valid verdict)."
-    pays = "longer" if result.phi > 0 else "shorter"
+    unidentified = result.unidentified_reason()
+    if unidentified is not None:
+        return (
+            f"- **Length-controlled win rate of A: {unidentified}.** The verdicts cannot tell the judge's "
+            "preference for A from its preference for length: no rate is given (docs/evaluation.md)."
+        )
+    pays = "longer" if result.length_effect > 0 else "shorter"
     return (
         f"- **Length-controlled win rate of A: {result.rate:.1%} (95% bootstrap interval {result.low:.1%} to "
         f"{result.high:.1%})** over {result.pairs} pairs of {result.prompts} prompts (the interval resamples "
-        f"the prompts): the judge's preference for A predicted at equal "
-        f"reply length (AlpacaEval 2.0's model; 50%: no preference beyond length). The judge's length "
-        f"term is {result.phi:+.2f} logits per unit of tanh(dlen / {result.length_scale:.1f} tokens): it "
-        f"favours the {pays} reply."
+        f"the prompts) and {result.anchor_pairs} anchor pairs (B against itself, {result.anchors_reaching} "
+        f"as far apart as the compared pairs' median {result.length_reach:.0f} tokens): the judge's preference "
+        f"for A predicted at equal reply length (AlpacaEval 2.0's model with its anchor rows; 50%: no "
+        f"preference beyond length). The judge's length terms give the reply {result.length_scale:.1f} tokens "
+        f"longer {result.length_effect:+.2f} logits: it favours the {pays} reply; "
+        f"{result.informative_pairs:.0f} of the {result.pairs} compared pairs are informative (not decided by "
+        "length alone)."
     )
 
 

@@ -27,6 +27,7 @@ IDENTICAL_MODELS_FIGURE = "identical_models"
 # length-controlled win rate is even (0.5, interval [0.5, 0.5]), the replies are as long (ratio 1) and
 # the reference replies as likely (alignment tax 0). The names are those of metrics.json (report.py).
 IDENTICAL_MODELS_FIGURES: dict[str, float] = {
+    "lc_identifiable": 1.0,  # known exactly, not fitted
     "lc_win_rate": 0.5,
     "lc_win_rate_low": 0.5,
     "lc_win_rate_high": 0.5,

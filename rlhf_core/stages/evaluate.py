@@ -18,6 +18,8 @@ Outputs in `out_dir`:
     generations_samples.jsonl, verdicts_samples.jsonl
                          the same for the further pairs the length-controlled win rate is fitted on: A's
                          i-th reply against B's i-th, i = 1 .. `evaluation.length_controlled_samples` - 1
+    generations_anchors.jsonl, verdicts_anchors.jsonl
+                         the same for its anchor rows: B's i-th reply against its (i+1)-th (length_control.py)
     report.json          the EvaluationReport (report.py)
     report.md            the same for people
     plots/win_rate.png   the paper's Figure 10-style win/tie/lose chart
@@ -50,11 +52,13 @@ from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
 from rlhf_core.atomic import atomic_write_text
-from rlhf_core.evaluation.judges.verdicts import Judge, Judgement, Verdict
+from rlhf_core.evaluation.judges.verdicts import Judge, JudgeInfo, Judgement, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.model_replies import ModelReplies, ReplyStore, replies_key
 from rlhf_core.evaluation.outputs import (
+    ANCHOR_GENERATIONS_FILE,
+    ANCHOR_VERDICTS_FILE,
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
     MATCHED_VERDICTS_FILE,
@@ -62,6 +66,7 @@ from rlhf_core.evaluation.outputs import (
     SAMPLE_VERDICTS_FILE,
     VERDICTS_FILE,
     GeneratedPair,
+    anchor_generation_rows,
     generation_rows,
     matched_generation_rows,
     read_generations,
@@ -258,18 +263,20 @@ def check_inputs(
 
 @dataclass(frozen=True)
 class GeneratedPairs:
-    """What the judge is asked about: the main pair of each prompt, the length-matched pairs and the further
-    same-index pairs of the length-controlled win rate."""
+    """What the judge is asked about: the main pair of each prompt, the length-matched pairs, the further
+    same-index pairs of the length-controlled win rate and its anchor pairs (B against B)."""
 
     main: list[GeneratedPair]
     matched: list[GeneratedPair]
     samples: list[GeneratedPair]
+    anchors: list[GeneratedPair]
 
-    def by_prompt(self, judged: Sequence[JudgedPair], samples: Sequence[JudgedPair]) -> list[list[JudgedPair]]:
-        """Per prompt (in the main pairs' order), its judged main pair and then its judged sample pairs."""
-        groups = {item.pair.prompt_id: [pair] for item, pair in zip(self.main, judged)}
-        for item, pair in zip(self.samples, samples):
-            groups[item.pair.prompt_id].append(pair)
+    def by_prompt(self, *kinds: tuple[Sequence[GeneratedPair], Sequence[JudgedPair]]) -> list[list[JudgedPair]]:
+        """Per prompt (in the main pairs' order), its judged pairs of each of `kinds` (generated, judged) in turn."""
+        groups: dict[str, list[JudgedPair]] = {item.pair.prompt_id: [] for item in self.main}
+        for generated, judged in kinds:
+            for item, pair in zip(generated, judged, strict=True):
+                groups[item.pair.prompt_id].append(pair)
         return list(groups.values())
 
 
@@ -282,7 +289,8 @@ def generate_pairs(
     replies_dir: Path | None,
 ) -> tuple[GeneratedPairs, AlignmentTax]:
     """Both models' replies (from the `ReplyStore` in `replies_dir` where it holds them), stored in
-    generations.jsonl, generations_matched.jsonl and generations_samples.jsonl and read back (the judge
+    generations.jsonl, generations_matched.jsonl, generations_samples.jsonl and generations_anchors.jsonl
+    and read back (the judge
     sees exactly what was stored), and the alignment tax: each model's perplexity on the held-out reference
     replies."""
     store = ReplyStore(replies_dir) if replies_dir is not None else None
@@ -296,11 +304,13 @@ def generate_pairs(
     pairs_per_prompt = config.evaluation.pairs_per_prompt
     sample_rows = sample_generation_rows(checked.prompts, replies_a.samples(), replies_b.samples(), pairs_per_prompt)
     write_jsonl(out_dir / SAMPLE_GENERATIONS_FILE, sample_rows)
+    write_jsonl(out_dir / ANCHOR_GENERATIONS_FILE, anchor_generation_rows(checked.prompts, replies_b.samples()))
     tax = AlignmentTax(replies_a.measured, perplexity_a=replies_a.perplexity, perplexity_b=replies_b.perplexity)
     pairs = GeneratedPairs(
         main=read_generations(out_dir / GENERATIONS_FILE),
         matched=read_generations(out_dir / MATCHED_GENERATIONS_FILE),
         samples=read_generations(out_dir / SAMPLE_GENERATIONS_FILE),
+        anchors=read_generations(out_dir / ANCHOR_GENERATIONS_FILE),
     )
     return pairs, tax
 
@@ -328,14 +338,15 @@ class Judgements:
     main: list[Judgement]
     matched: list[Judgement]
     samples: list[Judgement]
+    anchors: list[Judgement]
 
 
 def judge_pairs(judge: Judge, generated: GeneratedPairs, out_dir: Path) -> Judgements:
-    """The verdicts on the main, the length-matched and the sample pairs, written to verdicts.jsonl,
-    verdicts_matched.jsonl and verdicts_samples.jsonl. One call, and a pair that is both (a length-matched
+    """The verdicts on the main, the length-matched, the sample and the anchor pairs, written to
+    verdicts.jsonl, verdicts_matched.jsonl, verdicts_samples.jsonl and verdicts_anchors.jsonl. One call, and a pair that is both (a length-matched
     pair that is a prompt's main or sample pair) is judged once, so no reply is scored (and no LLM request
     sent) twice."""
-    kinds = (generated.main, generated.matched, generated.samples)
+    kinds = (generated.main, generated.matched, generated.samples, generated.anchors)
     asked = list({item.pair.pair_key: item.pair for pairs in kinds for item in pairs}.values())
     by_key = dict(zip([pair.pair_key for pair in asked], judge.judge(asked)))
     judgements = Judgements(*([by_key[item.pair.pair_key] for item in pairs] for pairs in kinds))
@@ -343,7 +354,31 @@ def judge_pairs(judge: Judge, generated: GeneratedPairs, out_dir: Path) -> Judge
     write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, judgements.main, name))
     write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, judgements.matched, name))
     write_jsonl(out_dir / SAMPLE_VERDICTS_FILE, verdict_rows(generated.samples, judgements.samples, name))
+    write_jsonl(out_dir / ANCHOR_VERDICTS_FILE, verdict_rows(generated.anchors, judgements.anchors, name))
     return judgements
+
+
+def judged_report(
+    config: Config,
+    generated: GeneratedPairs,
+    judgements: Judgements,
+    info: JudgeInfo,
+    names: tuple[str, str],
+    tax: AlignmentTax,
+    others: dict[str, dict[str, Verdict]],
+) -> EvaluationReport:
+    """The report of the judged pairs of every kind (report.py's `build_report`)."""
+    settings = config.evaluation
+    main = judged_pairs(generated.main, judgements.main)
+    samples = (generated.samples, judged_pairs(generated.samples, judgements.samples))
+    return build_report(
+        main, info, *names, settings.generation, config.seed, alignment_tax=tax, other_judges=others,
+        length_matched=judged_pairs(generated.matched, judgements.matched),
+        samples_per_model=settings.length_matched_samples,
+        length_control_pairs=generated.by_prompt((generated.main, main), samples),
+        anchor_pairs=generated.by_prompt((generated.anchors, judged_pairs(generated.anchors, judgements.anchors))),
+        min_anchor_pairs=settings.min_anchor_pairs, min_informative_pairs=settings.min_informative_pairs,
+    )  # fmt: skip
 
 
 def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None:
@@ -405,21 +440,9 @@ def run_evaluate(
         cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
         judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
         judgements = judge_pairs(judge_impl, generated, out_dir)
-        info = judge_impl.info()
         logger.log_metrics({"progress": 0.9}, step=3)
-        main = judged_pairs(generated.main, judgements.main)
-        report = build_report(
-            main,
-            info,
-            *(names or (str(model_a), str(model_b))),
-            config.evaluation.generation,
-            config.seed,
-            alignment_tax=tax,
-            other_judges=checked.others,
-            length_matched=judged_pairs(generated.matched, judgements.matched),
-            samples_per_model=config.evaluation.length_matched_samples,
-            length_control_pairs=generated.by_prompt(main, judged_pairs(generated.samples, judgements.samples)),
-        )
+        names = names or (str(model_a), str(model_b))
+        report = judged_report(config, generated, judgements, judge_impl.info(), names, tax, checked.others)
         write_report(report, Path(model_a), out_dir)
         metrics = {**report.metrics(), "wall_time_s": time.perf_counter() - started}
         logger.log_metrics({"progress": 1.0}, step=4)

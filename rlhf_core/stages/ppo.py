@@ -151,7 +151,8 @@ def stage_metrics(
 ) -> dict[str, float]:
     """The headline figures of metrics.json: the selected policy vs the SFT policy (paired, with its 95%
     interval), how the run ended (`guard_enabled`: whether the collapse guard had a bound to stop it by,
-    so that `guard_stopped` 0 of a run without one is not read as "no collapse"), the critic before the
+    so that `guard_stopped` 0 of a run without one is not read as "no collapse"; and each bound on or off,
+    `CollapseGuardConfig.bounds_on`), the critic before the
     policy moved, the first and last values of the Figure-4 monitors, and how the reward ranked the SFT
     policy's replies by length (`sft_reward_length_spearman`)."""
     selected = result.selection
@@ -171,6 +172,7 @@ def stage_metrics(
         "val/reward_gain_high": gain.high,
         "val/prompts": float(gain.prompts),
         "guard_enabled": float(guard.enabled),
+        **{name: float(on) for name, on in guard.bounds_on().items()},
         "guard_stopped": float(result.stop is not None),
         "resumed_from": float(result.resumed_from),  # the restored checkpoint's iteration (0: fresh start)
         "wall_time_s": wall_time,  # of this invocation (a resumed run counts only its own part)
@@ -326,7 +328,8 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
     history = JsonlLogger(out_dir / HISTORY_FILE)
     samples = SampleTable(out_dir / SAMPLES_FILE)
     run_logger = MultiLogger([history, logger]) if logger is not None else history
-    run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed})
+    guard = config.ppo.guard.describe()  # each bound, on or off
+    run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed, "guard": guard})
     try:
         return fit(trainer, out_dir / CHECKPOINTS_DIR, run_logger, samples, progress_bar=True)
     finally:

@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict
 from rlhf_core.config import Config
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.outputs import (
+    ANCHOR_GENERATIONS_FILE,
+    ANCHOR_VERDICTS_FILE,
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
     MATCHED_VERDICTS_FILE,
@@ -59,6 +61,7 @@ EVALUATED = "evaluated"
 EVALUATION_TAG_PREFIX = "evaluation."
 # The figures of metrics.json that go on the evaluated version as tags, the length-controlled ones first.
 HEADLINE_FIGURES = (
+    "lc_identifiable",
     "lc_win_rate",
     "lc_win_rate_low",
     "lc_win_rate_high",
@@ -170,12 +173,14 @@ def evaluate_task(
 
 
 def log_evaluation(client: MlflowClient, run_id: str, out_dir: Path) -> None:
-    """report.md, report.json and the length-matched pairs' files as artifacts, and one table row per
-    judged pair (`pairs.json`).
+    """report.md, report.json, the length-matched pairs' and the anchor pairs' files as artifacts, and one
+    table row per judged pair (`pairs.json`).
 
     (metrics.json, the `final.*` metrics and plots/win_rate.png are logged by `StageRun.finish`.)
     """
-    for name in (REPORT_MD, REPORT_JSON, MATCHED_GENERATIONS_FILE, MATCHED_VERDICTS_FILE):
+    for name in (
+        REPORT_MD, REPORT_JSON, MATCHED_GENERATIONS_FILE, MATCHED_VERDICTS_FILE, ANCHOR_GENERATIONS_FILE, ANCHOR_VERDICTS_FILE
+    ):
         client.log_artifact(run_id, str(out_dir / name))
     client.log_table(run_id, data=pd.DataFrame(pair_rows(out_dir)), artifact_file=PAIRS_TABLE)
 
@@ -241,7 +246,12 @@ def length_controlled_summary(report: EvaluationReport) -> str:
     """The summary's headline: the length-controlled win rate with its interval, the length ratio, and the
     length-matched pairs' win minus loss."""
     result, length, matched = report.length_controlled, report.length, report.length_matched
-    rate = "n/a" if result is None else f"{result.rate:.1%} (95% CI {result.low:.1%} to {result.high:.1%})"
+    if result is None:
+        rate = "n/a"
+    else:
+        unidentified = result.unidentified_reason()
+        interval = f"{result.rate:.1%} (95% CI {result.low:.1%} to {result.high:.1%})"
+        rate = interval if unidentified is None else unidentified
     ratio = "n/a" if length.length_ratio is None else f"{length.length_ratio:.2f}"
     text = (
         f"  length-controlled win rate of A {rate}; length ratio A/B {ratio} "

@@ -17,9 +17,12 @@ Then it applies the gate of `promotion` in params.yaml (rlhf_core/promotion/gate
 that only learned to answer shorter cannot pass it: the length-controlled win rate's 95% lower bound
 above even (`lc_win_rate_low`), win minus loss beyond chance (`win_minus_loss_low`), the evaluation's
 length ratio within its band (`length_ratio`), the alignment tax within its bound
-(`alignment_tax_relative`), the PPO run's KL to its reference within its bound (`kl_to_reference`), and
-its collapse guard on and not fired (`no_collapse`; a run without the guard is shown as "guard
-disabled"). A missing figure fails its check, saying so.
+(`alignment_tax_relative`), while the baseline is a champion the same two against the SFT model of the
+challenger's lineage too (`length_ratio_vs_sft`, `alignment_tax_relative_vs_sft`, from its `evaluation.*`
+tags: tasks/promotion/figures.py), the PPO run's KL to its reference within its bound
+(`kl_to_reference`), and its collapse guard on with its length band and KL bound, and not fired
+(`no_collapse`; a run without the guard is shown as "guard disabled"). A missing figure fails its
+check, saying so. Under failed checks the decision says why (rlhf_core/evaluation/refusal.py).
 
 A pass moves `champion` to the challenger and tags that version with the decision and its evidence
 (`promotion.*`). A fail leaves the registry as it was and says why. An override promotes whatever the
@@ -46,21 +49,14 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
-from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec, llm_judge_spec
 from tasks.registry.downloads import MODELS_URI_PREFIX, download_version, resolve_model_output
+from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec, llm_judge_spec
 from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.promotion.evidence import Evidence
+from tasks.promotion.figures import figures_against_sft, refusal_figures, training_metrics
 from rlhf_core.promotion.gate import GateCheck, gate_checks
-from tasks.registry.registered_models import (
-    CHALLENGER_ALIAS,
-    JUDGE_MODEL_TAG,
-    JUDGE_VERSION_TAG,
-    REWARD_VERSION_TAG,
-    STAGE_RUN_TAG,
-    lineage_output,
-)
+from tasks.registry.registered_models import CHALLENGER_ALIAS, JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG, lineage_output
 from tasks.execution.retries import is_retryable
-from tasks.stages.stage_reports import FINAL_METRIC_PREFIX
 
 CHAMPION_ALIAS = "champion"
 PROMOTION_TAG_PREFIX = "promotion."
@@ -143,6 +139,7 @@ class PromotionResult(BaseModel):
     judge: JudgeChoice | None = None
     judge_in_sample: bool | None = None  # as the evaluation found (the judge_in_sample figure)
     reason: str | None = None
+    explanation: str | None = None  # why the failed checks failed (rlhf_core/evaluation/refusal.py)
     message: str
 
     def markdown(self) -> str:
@@ -172,6 +169,8 @@ class PromotionResult(BaseModel):
                 f"| {check.name} | {check.shown_value()} | {check.bound} | {'pass' if check.passed else 'FAIL'} |"
                 for check in self.checks
             ]
+        if self.explanation:
+            lines += ["", self.explanation]
         return "\n".join(lines) + "\n"
 
     @property
@@ -185,6 +184,8 @@ class PromotionResult(BaseModel):
         if self.evaluation_note:
             lines.append(f"  evaluation: {self.evaluation_note}")
         lines += [f"  {check.describe()}" for check in self.checks]
+        if self.explanation:
+            lines.append(f"  {self.explanation}")
         return "\n".join(lines)
 
 
@@ -202,18 +203,6 @@ def model_aliases(client: MlflowClient, name: str) -> dict[str, str] | None:
 def version_number(version: str | int | None) -> str | None:
     """A version number as a string: a tracking server answers strings, a local SQLite store ints."""
     return None if version is None else str(version)
-
-
-def training_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, float]:
-    """The final figures of the PPO run that trained `version` (metrics.json, logged as `final.*`)."""
-    if STAGE_RUN_TAG not in version.tags:
-        raise ValueError(f"{version.name} version {version.version} has no {STAGE_RUN_TAG} tag naming its PPO run")
-    metrics = client.get_run(version.tags[STAGE_RUN_TAG]).data.metrics
-    return {
-        name.removeprefix(FINAL_METRIC_PREFIX): value
-        for name, value in metrics.items()
-        if name.startswith(FINAL_METRIC_PREFIX)
-    }
 
 
 def missing_judge_message(version: ModelVersion) -> str:
@@ -325,6 +314,21 @@ def evidence_tags(result: PromotionResult) -> dict[str, str]:
     return tags
 
 
+def decision_message(
+    challenger: str, checks: list[GateCheck], override_reason: str | None, explanation: str | None
+) -> tuple[Decision, str]:
+    """The decision on the gate's `checks` and its message: a refusal names the failed checks, then says
+    why (`explanation`)."""
+    failed = "; ".join(check.describe() for check in checks if not check.passed)
+    if all(check.passed for check in checks):
+        return "promoted", f"Version {challenger} passed the gate and is now the {CHAMPION_ALIAS}."
+    if override_reason:
+        return "promoted-by-override", f"Version {challenger} failed the gate ({failed}) and was promoted by override."
+    return "rejected", (
+        f"Version {challenger} stays the {CHALLENGER_ALIAS}; the registry is unchanged. Failed: {failed}. {explanation}"
+    )
+
+
 @task(name="decide", **REGISTRY_TASK_OPTIONS)
 def decide_task(
     config: Config,
@@ -344,18 +348,15 @@ def decide_task(
     """
     client = MlflowClient(tracking_uri)
     challenger = client.get_model_version(candidates.model, candidates.challenger)
-    checks = gate_checks(config.promotion, evidence.metrics, training_metrics(client, challenger))
+    against_sft = None if candidates.champion is None else figures_against_sft(challenger.tags)
+    training = training_metrics(client, challenger)
+    checks = gate_checks(config.promotion, evidence.metrics, training, against_sft)
     passed = all(check.passed for check in checks)
-    failed = "; ".join(check.describe() for check in checks if not check.passed)
-    if passed:
-        decision: Decision = "promoted"
-        message = f"Version {candidates.challenger} passed the gate and is now the {CHAMPION_ALIAS}."
-    elif override_reason:
-        decision = "promoted-by-override"
-        message = f"Version {candidates.challenger} failed the gate ({failed}) and was promoted by override."
-    else:
-        decision = "rejected"
-        message = f"Version {candidates.challenger} stays the {CHALLENGER_ALIAS}; the registry is unchanged. Failed: {failed}."
+    explanation = None
+    if not passed:
+        figures = refusal_figures(config, client, challenger, judge.source, training, evidence.metrics)
+        explanation = figures.paragraph()
+    decision, message = decision_message(candidates.challenger, checks, override_reason, explanation)
     in_sample = evidence.metrics.get("judge_in_sample") == 1.0
     if in_sample:
         message += f" Judged {IN_SAMPLE_WARNING}."
@@ -374,6 +375,7 @@ def decide_task(
         judge=judge,
         judge_in_sample=in_sample,
         reason=override_reason,
+        explanation=explanation,
         message=message,
     )
     if decision != "rejected":

@@ -21,7 +21,7 @@ from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
 from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
 from rlhf_core.config import load_config
-from rlhf_core.evaluation.length_control import length_controlled_win_rate
+from rlhf_core.evaluation.length_control import AnchorRows, length_controlled_win_rate
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
@@ -91,8 +91,8 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}
     assert files == {
         "generations.jsonl", "verdicts.jsonl", "generations_matched.jsonl", "verdicts_matched.jsonl",
-        "generations_samples.jsonl", "verdicts_samples.jsonl", "report.json", "report.md", "plots/win_rate.png",
-        "metrics.json",
+        "generations_samples.jsonl", "verdicts_samples.jsonl", "generations_anchors.jsonl", "verdicts_anchors.jsonl",
+        "report.json", "report.md", "plots/win_rate.png", "metrics.json",
     }
     generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     verdicts = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
@@ -116,19 +116,31 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
     assert metrics["perplexity_a"] > 1 and metrics["perplexity_b"] > 1
     # the length-controlled headline: tiny.yaml draws 2 replies per prompt and model, so it is fitted on the
-    # main pair and the second replies' pair of each prompt, resampled by prompt
-    assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    # main pair and the second replies' pair of each prompt, with B's two replies against each other as the
+    # anchor rows, resampled by prompt
     samples = [json.loads(line) for line in (out / "generations_samples.jsonl").read_text().splitlines()]
     sample_verdicts = [json.loads(line) for line in (out / "verdicts_samples.jsonl").read_text().splitlines()]
     assert [(row["prompt_id"], row["sample"]) for row in samples] == [(g["prompt_id"], 1) for g in generations]
     assert [v["pair_key"] for v in sample_verdicts] != [v["pair_key"] for v in verdicts]
     assert (metrics["lc_pairs"], metrics["lc_prompts"]) == (12, 6)
     pairs = verdicts + sample_verdicts
-    preferences = [{"A": 1.0, "tie": 0.5, "B": 0.0}[v["verdict"]] for v in pairs]
+    preference = {"A": 1.0, "tie": 0.5, "B": 0.0}
+    anchors = [json.loads(line) for line in (out / "verdicts_anchors.jsonl").read_text().splitlines()]
+    anchor_rows = [json.loads(line) for line in (out / "generations_anchors.jsonl").read_text().splitlines()]
+    assert [(row["prompt_id"], row["sample_a"], row["sample_b"]) for row in anchor_rows] == [
+        (g["prompt_id"], 0, 1) for g in generations
+    ]
+    assert [row["reply_a"] for row in anchor_rows] == [g["reply_b"] for g in generations]  # B against B
     expected = length_controlled_win_rate(
-        preferences, [v["tokens_a"] - v["tokens_b"] for v in pairs], groups=[v["prompt_id"] for v in pairs]
+        [preference[v["verdict"]] for v in pairs], [v["tokens_a"] - v["tokens_b"] for v in pairs],
+        groups=[v["prompt_id"] for v in pairs],
+        anchors=AnchorRows(
+            [preference[v["verdict"]] for v in anchors], [v["tokens_a"] - v["tokens_b"] for v in anchors],
+            [v["prompt_id"] for v in anchors], min_reaching=4, min_informative=8,  # tiny.yaml's
+        ),
     )
-    assert metrics["lc_win_rate"] == pytest.approx(expected.rate)
+    assert (metrics["lc_identifiable"], metrics["lc_anchor_pairs"]) == (float(expected.identifiable), 6)
+    assert metrics.get("lc_win_rate") == (pytest.approx(expected.rate) if expected.identifiable else None)
     mean_a, mean_b = (sum(g[f"tokens_{x}"] for g in generations) / 6 for x in "ab")
     assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
     assert metrics["alignment_tax_relative"] == pytest.approx(metrics["perplexity_a"] / metrics["perplexity_b"] - 1)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from rlhf_core.evaluation.length_control import REGULARISATION, length_controlled_win_rate
+from rlhf_core.evaluation.length_control import REGULARISATION, AnchorRows, length_controlled_win_rate
 
 
 def plain_gradient_descent(preferences: np.ndarray, differences: np.ndarray, steps: int = 20_000) -> np.ndarray:
@@ -169,7 +169,7 @@ def test_degenerate_inputs_give_finite_rates() -> None:
     single = length_controlled_win_rate([1.0], [7], resamples=50)
     assert single.low == single.rate == single.high and 0.5 < single.rate < 1
     for result in (ties, wins, losses, same_length, single):
-        assert all(math.isfinite(value) for value in result.model_dump().values())
+        assert all(math.isfinite(value) for value in result.model_dump().values() if isinstance(value, float))
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -183,3 +183,153 @@ def test_bad_inputs_are_refused() -> None:
         length_controlled_win_rate([1.0], [3], resamples=0)
     with pytest.raises(ValueError, match="2 groups for 3"):
         length_controlled_win_rate([1.0, 0.0, 1.0], [3, 1, 2], groups=["a", "b"])
+
+
+# ---- anchor rows: the baseline against itself pins the judge's length preference
+
+
+PROMPTS, SAMPLES = 166, 4  # the default run's evaluation: 166 prompts, 4 replies per prompt and model
+
+
+def baseline_lengths(seed: int) -> np.ndarray:
+    """[prompts, samples]: the token lengths of the baseline's sampled replies (about 80, spread 35%)."""
+    return np.maximum(5, np.random.default_rng(seed).lognormal(np.log(80), 0.35, (PROMPTS, SAMPLES))).round()
+
+
+def verdicts(rng: np.random.Generator, score_a: np.ndarray, score_b: np.ndarray) -> np.ndarray:
+    """A judge's preference for A (1, 0.5 on equal scores, 0) from the replies' scores plus unit noise."""
+    a, b = score_a + rng.normal(size=score_a.shape), score_b + rng.normal(size=score_b.shape)
+    return np.where(a > b, 1.0, np.where(a < b, 0.0, 0.5))
+
+
+def controlled(
+    tokens_a: np.ndarray, lengths: np.ndarray, score, quality: float = 0.0, seed: int = 0, anchored: bool = True
+):
+    """The length-controlled win rate of A (tokens_a [prompts, samples], each pair against the baseline's
+    reply of the same index) over the baseline, judged by `score(tokens)` plus `quality` for A, with
+    anchor rows of the baseline's i-th reply against its (i+1)-th judged by the same judge."""
+    rng = np.random.default_rng(seed)
+    preferences = verdicts(rng, score(tokens_a) + quality, score(lengths)).ravel()
+    groups = np.repeat(np.arange(PROMPTS), SAMPLES)
+    first, second = lengths[:, :-1], lengths[:, 1:]
+    anchors = AnchorRows(
+        verdicts(rng, score(first), score(second)).ravel(),
+        (first - second).ravel(),
+        list(np.repeat(np.arange(PROMPTS), SAMPLES - 1)),
+        min_reaching=30,
+        min_informative=60,
+    )
+    differences = (tokens_a - lengths).ravel()
+    return length_controlled_win_rate(
+        preferences, differences, resamples=500, seed=0, groups=groups, anchors=anchors if anchored else None
+    )
+
+
+def shorter_is_better(tokens: np.ndarray) -> np.ndarray:
+    return -tokens / 4  # 4 tokens shorter: one unit of the judge's noise
+
+
+def longer_is_better(tokens: np.ndarray) -> np.ndarray:
+    return tokens / 4
+
+
+def pure_length(tokens: np.ndarray) -> np.ndarray:
+    return tokens / 40  # length decides, with as much noise as a 40-token difference
+
+
+def test_the_baseline_cut_to_three_quarters_judged_by_a_shorter_is_better_judge_is_not_identifiable() -> None:
+    """Cut by a quarter, nearly every pair is decided by length: the verdicts cannot show a gain beyond it."""
+    lengths = baseline_lengths(seed=1)
+    cut = np.floor(lengths * 0.75)  # every pair one-sided: the challenger is the baseline, shorter
+    without_anchors = controlled(cut, lengths, shorter_is_better, anchored=False)
+    assert not without_anchors.identifiable and without_anchors.unidentified_reason().startswith("not identifiable")
+    result = controlled(cut, lengths, shorter_is_better)
+    assert result.anchors_reaching >= 30 and result.length_effect < -1  # the anchors measured the taste for short
+    assert not result.identifiable and (result.one_sided or result.informative_pairs < 60)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_baseline_cut_by_a_tenth_judged_by_a_shorter_is_better_judge_is_not_above_even(seed: int) -> None:
+    lengths = baseline_lengths(seed)
+    cut = np.floor(lengths * 0.9)
+    assert not controlled(cut, lengths, shorter_is_better, anchored=False).identifiable
+    result = controlled(cut, lengths, shorter_is_better)
+    assert result.identifiable and result.length_effect < -1
+    assert result.low <= 0.5 <= result.high  # no gain beyond length, where the raw rate is above 0.9
+
+
+def test_the_baseline_padded_judged_by_a_longer_is_better_judge_is_not_above_even() -> None:
+    lengths = baseline_lengths(seed=2)
+    result = controlled(np.ceil(lengths * 1.3), lengths, longer_is_better)
+    assert result.length_effect > 1  # the anchors measured the judge's taste for long replies
+    assert not result.identifiable and result.unidentified_reason().startswith(
+        "not identifiable: the judge's length preference decides nearly every compared pair"
+    )
+
+
+@pytest.mark.parametrize("factor", [0.8, 1.25])
+def test_a_gain_independent_of_length_passes_whether_the_challenger_is_shorter_or_longer(factor: float) -> None:
+    """A judge that rewards a property the challenger has (+1 unit of its noise on every pair) and pays
+    nothing for length: shorter or longer on every pair, the gain is found."""
+    lengths = baseline_lengths(seed=3)
+    result = controlled(np.round(lengths * factor), lengths, lambda tokens: 0 * tokens, quality=1.0)
+    assert result.identifiable and result.low > 0.5
+    assert result.rate == pytest.approx(0.76, abs=0.06)  # P(1 + noise_a > noise_b), noise N(0, 2): 0.76
+
+
+@pytest.mark.parametrize("sides", ["one-sided", "two-sided"])
+def test_a_pure_length_judge_with_anchors_gives_even_for_one_and_two_sided_length_differences(sides: str) -> None:
+    lengths = baseline_lengths(seed=4)
+    if sides == "one-sided":
+        tokens_a = np.round(lengths * 1.3)
+    else:
+        tokens_a = np.maximum(5, lengths + np.random.default_rng(5).normal(15, 30, lengths.shape)).round()
+        assert 0.05 < (tokens_a < lengths).mean() < 0.5
+    result = controlled(tokens_a, lengths, pure_length)
+    assert result.identifiable and result.low <= 0.5 <= result.high
+    assert result.rate == pytest.approx(0.5, abs=0.08)
+
+
+def test_anchors_must_reach_the_compared_length_differences() -> None:
+    """Anchor pairs of nearly equal length measure the judge's length term only near dlen 0: with the
+    compared pairs 25% apart, too few reach that far and the rate is not identifiable."""
+    lengths = np.full((PROMPTS, SAMPLES), 80.0) + np.random.default_rng(6).integers(0, 3, (PROMPTS, SAMPLES))
+    result = controlled(np.floor(lengths * 0.75), lengths, pure_length)
+    assert not result.one_sided and result.anchor_pairs == PROMPTS * (SAMPLES - 1) and result.anchors_reaching == 0
+    assert not result.identifiable
+    assert result.unidentified_reason() == (
+        f"not identifiable: 0 of {PROMPTS * (SAMPLES - 1)} anchor pairs reach the compared pairs' median |dlen| "
+        f"of {result.length_reach:.0f} tokens, 30 needed"
+    )
+
+
+def test_the_fit_with_anchor_rows_matches_scipy() -> None:
+    """The anchor rows' logit is the length terms alone, sum over ANCHORED_WIDTHS w of phi_w * tanh(dlen /
+    (w sd)); each anchor verdict enters in both orientations at weight 1/2; sd is over every row, weighted."""
+    optimize = pytest.importorskip("scipy.optimize")
+    rng = np.random.default_rng(9)
+    differences = rng.normal(-20, 10, 60).round()
+    preferences = rng.choice([0.0, 0.5, 1.0], size=60, p=[0.2, 0.1, 0.7])
+    anchor_differences = rng.normal(0, 25, 40).round()
+    anchor_preferences = (anchor_differences + rng.normal(0, 20, 40) < 0).astype(float)
+    rows = np.concatenate([differences, anchor_differences, -anchor_differences])
+    weights = np.concatenate([np.ones(60), np.full(80, 0.5)])
+    targets = np.concatenate([preferences, anchor_preferences, 1 - anchor_preferences])
+    mean = (weights * rows).sum() / weights.sum()
+    scale = np.sqrt((weights * (rows - mean) ** 2).sum() / (weights.sum() - 1))
+    model = np.concatenate([np.ones(60), np.zeros(80)])
+
+    def objective(params: np.ndarray) -> float:
+        length = sum(phi * np.tanh(rows / (width * scale)) for phi, width in zip(params[1:], (1.0, 4.0, 0.25)))
+        logits = params[0] * model + length
+        loss = weights * (np.logaddexp(0, logits) - targets * logits)
+        return float(loss.sum() + REGULARISATION / 2 * params @ params)
+
+    reference = optimize.minimize(objective, np.zeros(4), method="BFGS", options={"gtol": 1e-9}).x
+    anchors = AnchorRows(anchor_preferences, anchor_differences, list(range(60, 100)), min_reaching=1, min_informative=1)
+    result = length_controlled_win_rate(preferences, differences, resamples=10, groups=range(60), anchors=anchors)
+    assert (result.theta, result.phi, *result.other_length_terms) == pytest.approx(tuple(reference), abs=1e-5)
+    assert result.length_scale == pytest.approx(scale)
+    assert result.length_reach == np.median(np.abs(differences))
+    assert result.anchors_reaching == int((np.abs(anchor_differences) >= result.length_reach).sum())
+    assert (result.pairs, result.prompts, result.anchor_pairs) == (60, 60, 40)

@@ -324,11 +324,11 @@ def test_stage_with_llm_judge_never_writes_or_logs_the_key(
 
     keys = {
         json.loads(line)["pair_key"]
-        for name in ("verdicts.jsonl", "verdicts_matched.jsonl", "verdicts_samples.jsonl")
+        for name in ("verdicts.jsonl", "verdicts_matched.jsonl", "verdicts_samples.jsonl", "verdicts_anchors.jsonl")
         for line in (out / name).read_text().splitlines()
     }
-    # 3 prompts' main pairs, their second replies' pairs (tiny.yaml draws 2 per model) and the length-matched
-    # pairs, each distinct pair in both orders, no retries
+    # 3 prompts' main pairs, their second replies' pairs (tiny.yaml draws 2 per model), the length-matched
+    # pairs and the anchor pairs (B's two replies), each distinct pair in both orders, no retries
     assert len(keys) >= 6 and state.requests == 2 * len(keys)
     report = json.loads((out / "report.json").read_text())
     assert report["judge"]["kind"] == "llm" and "judge-model" in report["judge"]["description"]

@@ -23,7 +23,7 @@ from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
-from rlhf_core.evaluation.length_control import length_controlled_win_rate
+from rlhf_core.evaluation.length_control import AnchorRows, length_controlled_win_rate
 from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, summarise_outcomes
 from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.statistics import cohens_kappa, spearman, wilson_interval
@@ -209,25 +209,43 @@ def length_biased_pairs(count: int, seed: int) -> list[JudgedPair]:
     return rows
 
 
+def length_biased_anchors(count: int, seed: int) -> list[list[JudgedPair]]:
+    """Per prompt, two of B's replies against each other, judged by the same longer-is-better judge."""
+    rng = np.random.default_rng(seed)
+    anchors = []
+    for i in range(count):
+        tokens_a, tokens_b = int(rng.integers(10, 60)), int(rng.integers(10, 60))
+        verdict = A if tokens_a + rng.normal(0, 15) > tokens_b else B
+        anchors.append([JudgedPair(f"anchor{i}", "only", tokens_a, tokens_b, verdict)])
+    return anchors
+
+
 def test_the_report_leads_with_the_length_controlled_figures() -> None:
     pairs = length_biased_pairs(80, seed=0)
+    anchors = length_biased_anchors(80, seed=1)
     matched = [JudgedPair(f"m{i}", "only", 30, 28, [A, B, TIE][i % 3]) for i in range(61)]
     tax = AlignmentTax(replies=10, perplexity_a=11.0, perplexity_b=10.0)
     report = build_report(
         pairs, RM_JUDGE, "ppo", "sft", GENERATION, seed=1, alignment_tax=tax, resamples=300,
-        length_matched=matched, samples_per_model=4,
+        length_matched=matched, samples_per_model=4, anchor_pairs=anchors, min_anchor_pairs=20,
+        min_informative_pairs=10,
     )
-    valid = [pair for pair in pairs if pair.verdict is not INVALID]
+    valid = [(prompt, pair) for prompt, pair in enumerate(pairs) if pair.verdict is not INVALID]
     expected = length_controlled_win_rate(
-        [(pair.verdict.outcome + 1) / 2 for pair in valid], [pair.tokens_a - pair.tokens_b for pair in valid],
-        resamples=300, seed=1,
+        [(pair.verdict.outcome + 1) / 2 for _, pair in valid], [pair.tokens_a - pair.tokens_b for _, pair in valid],
+        resamples=300, seed=1, groups=[prompt for prompt, _ in valid],
+        anchors=AnchorRows(
+            [(row.verdict.outcome + 1) / 2 for (row,) in anchors], [row.tokens_a - row.tokens_b for (row,) in anchors],
+            list(range(80)), 20, 10,
+        ),
     )
+    assert expected.identifiable and expected.anchor_pairs == 80
     metrics = report.metrics()
     assert list(metrics)[:3] == ["lc_win_rate", "lc_win_rate_low", "lc_win_rate_high"]
     assert (metrics["lc_win_rate"], metrics["lc_win_rate_low"], metrics["lc_win_rate_high"]) == (
         expected.rate, expected.low, expected.high,
     )
-    assert metrics["lc_pairs"] == 79
+    assert metrics["lc_pairs"] == 79 and metrics["lc_identifiable"] == 1 and metrics["lc_anchor_pairs"] == 80
     mean_a, mean_b = (sum(getattr(p, f"tokens_{x}") for p in pairs) / 80 for x in "ab")
     assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
     assert metrics["length_matched/pairs"] == 61 and metrics["length_matched/win_rate"] == pytest.approx(21 / 61)
@@ -252,9 +270,29 @@ def test_the_report_leads_with_the_length_controlled_figures() -> None:
     assert type(report).model_validate_json(report.model_dump_json()) == report
 
 
+def test_without_enough_anchor_pairs_the_report_says_not_identifiable_and_gives_no_rate() -> None:
+    pairs = length_biased_pairs(80, seed=0)
+    for anchors, minimum, reason in (
+        (None, 20, "no anchor pairs"),
+        (length_biased_anchors(80, seed=1), 81, "anchor pairs reach the compared pairs' median |dlen|"),
+    ):
+        report = build_report(
+            pairs, RM_JUDGE, "ppo", "sft", GENERATION, seed=1, resamples=50, anchor_pairs=anchors,
+            min_anchor_pairs=minimum,
+        )
+        metrics = report.metrics()
+        assert metrics["lc_identifiable"] == 0 and "lc_win_rate" not in metrics and "lc_win_rate_low" not in metrics
+        line = next(line for line in render_markdown(report).splitlines() if "Length-controlled win rate" in line)
+        assert "not identifiable" in line and reason in line and "%" not in line
+
+
 def test_length_figures_of_degenerate_evaluations_stay_finite() -> None:
     ties = [JudgedPair(f"t{i}", "only", 10 + i, 12, TIE) for i in range(5)]
-    report = build_report(ties, RM_JUDGE, "a", "b", GENERATION, seed=0, resamples=50, length_matched=[])
+    anchors = [[JudgedPair(f"a{i}", "only", 10 + 2 * i, 12, TIE)] for i in range(5)]
+    report = build_report(
+        ties, RM_JUDGE, "a", "b", GENERATION, seed=0, resamples=50, length_matched=[], anchor_pairs=anchors,
+        min_anchor_pairs=1,
+    )
     metrics = report.metrics()
     assert (metrics["lc_win_rate"], metrics["lc_win_rate_low"], metrics["lc_win_rate_high"]) == (0.5, 0.5, 0.5)
     assert metrics["length_matched/pairs"] == 0 and "length_matched/win_rate" not in metrics

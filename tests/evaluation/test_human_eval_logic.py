@@ -245,8 +245,9 @@ def test_a_finished_session_writes_verdicts_and_report_like_the_other_judges(tmp
     assert set(report.by_category) == {"harmless-base", "helpful-base"}
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["pairs"] == 6 and metrics["judge/answered_pairs"] == 6
-    # people's verdicts get the length-controlled headline too (no length-matched pairs: none were asked)
-    assert metrics["lc_win_rate_low"] <= metrics["lc_win_rate"] <= metrics["lc_win_rate_high"]
+    # people are shown no anchor pairs (the baseline against itself), so the length-controlled win rate is
+    # not identifiable from their verdicts: said so, no number (and no length-matched pairs: none were asked)
+    assert metrics["lc_identifiable"] == 0 and "lc_win_rate" not in metrics and "lc_win_rate_low" not in metrics
     assert metrics["lc_pairs"] == 6 and metrics["length_ratio"] == pytest.approx(report.length.length_ratio)
     assert not any(name.startswith("length_matched/") for name in metrics)
     markdown = (out / "report.md").read_text()
@@ -277,7 +278,7 @@ def test_people_judge_the_length_matched_pairs_after_the_main_ones(tmp_path: Pat
     _, verdicts = read_verdicts(out / "verdicts_matched.jsonl")
     assert set(verdicts) == set(matched_keys) and set(verdicts.values()) == {Verdict.TIE}
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["length_matched/pairs"] == 2 and metrics["lc_win_rate"] == 0.5
+    assert metrics["length_matched/pairs"] == 2 and metrics["lc_identifiable"] == 0  # no anchor pairs shown
     assert "Few length-matched pairs (2 < 60)" in (out / "report.md").read_text()
 
 

@@ -64,17 +64,9 @@ from tasks.tracking.lineage import flow_run_tags
 from tasks.tracking.mlflow_runs import close_run, open_pipeline_run
 from rlhf_core.stage_outputs import StageOutput
 from tasks.promotion.promote_tasks import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice, PromotionResult
+from rlhf_core.promotion.gate import NO_COLLAPSE_BOUND
 from tasks.stages.stage_runs import StageContext
-from tasks.registry.registered_models import (
-    CHALLENGER_ALIAS,
-    REWARD_VERSION_TAG,
-    STAGE_RUN_TAG,
-    judge_model_name,
-    judge_version_tags,
-    lineage_output_tags,
-    register,
-    training_data_tags,
-)
+from tasks.registry.registered_models import CHALLENGER_ALIAS, REWARD_VERSION_TAG, STAGE_RUN_TAG, judge_model_name, judge_version_tags, lineage_output_tags, register, training_data_tags
 from tasks.tracking.metrics_logger import get_or_create_experiment
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -109,6 +101,8 @@ def ppo_run(client: MlflowClient, experiment_id: str, kl: float, guard_stopped: 
     run_id = client.create_run(experiment_id, run_name="ppo").info.run_id
     client.log_metric(run_id, "final.val/kl_best", kl, step=0)
     client.log_metric(run_id, "final.guard_enabled", 1.0, step=0)
+    for bound in ("guard_length_band", "guard_kl_bound", "guard_perplexity_bound"):  # the default guard's
+        client.log_metric(run_id, f"final.{bound}", 1.0, step=0)
     client.log_metric(run_id, "final.guard_stopped", guard_stopped, step=0)
     client.set_terminated(run_id)
     return run_id
@@ -216,6 +210,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str, prefe
             REWARD_VERSION_TAG: reward.version,
             STAGE_RUN_TAG: ppo_run(client, experiment_id, kl=kl, guard_stopped=0.0),
             **(judge_version_tags(judge) if judged else {}),
+            # the pipeline's evaluation of this copy of the SFT model against it (tasks/evaluation/evaluate_task.py's tags)
+            "evaluation.length_ratio": "1",
+            "evaluation.alignment_tax_relative": "0",
         }
         return register(
             client, mlflow_server, register_run, name, stage_output("ppo", out_dir), tags, CHALLENGER_ALIAS
@@ -319,7 +316,7 @@ def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_wit
     assert tags["promotion.check.kl_to_reference"] == "kl_to_reference = 0.05 (<= 0.3): pass"
     assert tags["promotion.check.win_minus_loss_low"] == "win_minus_loss_low = 0 (> -0.5): pass"
     assert tags["promotion.check.length_ratio"] == "length_ratio = 1 (in [0.67, 1.5]): pass"
-    assert tags["promotion.check.no_collapse"] == "no_collapse = 0 (guard_enabled == 1 and guard_stopped == 0): pass"
+    assert tags["promotion.check.no_collapse"] == f"no_collapse = 0 ({NO_COLLAPSE_BOUND}): pass"
     evaluation = scenario.client.get_run(tags["promotion.evaluation_run_id"])
     assert evaluation.data.metrics["final.tie_rate"] == 1.0  # the same weights: every pair a tie
     assert evaluation.data.metrics["final.score_diff_mean"] == 0.0  # identical replies, identical scores
@@ -386,6 +383,9 @@ def test_a_failing_challenger_leaves_the_registry_unchanged_and_says_why(scenari
     assert (second.decision, second.challenger, second.champion_after) == ("rejected", "2", "1")
     assert second.baseline == "promotion-policy version 1 (champion)"
     assert [check.name for check in second.checks if not check.passed] == ["kl_to_reference"]
+    checks = {check.name: check for check in second.checks}  # against the champion and against SFT, both named
+    assert (checks["length_ratio"].value, checks["length_ratio_vs_sft"].value) == (1.0, 1.0)
+    assert checks["alignment_tax_relative_vs_sft"].passed
     assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in second.message
     assert scenario.champion_after["B"] == "1"
     assert scenario.tags_after["B"] == scenario.tags_after["A"] | {"2": scenario.tags_after["B"]["2"]}
@@ -399,6 +399,10 @@ def test_a_rejection_is_a_completed_flow_run_named_rejected_with_the_reason(scen
     assert state.message.startswith("rejected: Version 2 stays the challenger")
     assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in state.message
     assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in scenario.artifacts["B"]["promotion-decision"]
+    # under the failed checks, why: the reward models' stage runs are not named here, so their figures are n/a
+    why = state.message[state.message.index("Why: ") :]
+    assert "policy reward model length-matched accuracy n/a" in why and "evaluation length ratio 1.00" in why
+    assert why.split(" Judged")[0].split(" Evaluation:")[0] in scenario.artifacts["B"]["promotion-decision"]
     promoted = scenario.server_states["A"]
     assert (promoted.type, promoted.name) == (StateType.COMPLETED, "Completed")
 
@@ -537,6 +541,7 @@ def test_rlhf_promote_prints_the_decision_and_exits_3_on_a_refusal(
     assert lines[first].startswith(f"promotion of {POLICY}: rejected: Version 2 stays the challenger")
     assert lines[first + 1].startswith("  evaluation: reused the evaluation of MLflow run") and judged == Counter()
     assert "  kl_to_reference = 0.9 (<= 0.3): FAIL" in lines[first:]
+    assert any(line.startswith("  Why: ") for line in lines[first:])
     assert scenario.client.get_registered_model(POLICY).aliases[CHAMPION_ALIAS] == "1"
 
     status, _, stderr = rlhf_promote_command(capsys, monkeypatch, "--override")

@@ -14,18 +14,11 @@ from pydantic import ValidationError
 from flows.promote import PromoteSettings
 from rlhf_core.config import PromotionConfig
 from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
-from tasks.promotion.promote_tasks import (
-    GateCheck,
-    JudgeChoice,
-    PromotionResult,
-    evidence_tags,
-    find_candidates_task,
-    gate_checks,
-    promotion_judge,
-    version_number,
-    reward_judge_choice,
-)
-from rlhf_core.promotion.evidence import identical_models_evidence
+from rlhf_core.evaluation.refusal import RefusalFigures
+from tasks.promotion.promote_tasks import GateCheck, JudgeChoice, PromotionResult, evidence_tags, find_candidates_task, gate_checks, promotion_judge, version_number, reward_judge_choice
+from rlhf_core.promotion.evidence import IDENTICAL_MODELS, identical_models_evidence
+from tasks.promotion.figures import figures_against_sft
+from rlhf_core.promotion.gate import NO_COLLAPSE_BOUND, NOT_IDENTIFIABLE, NOT_REQUIRED
 from tasks.registry.registered_models import JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG
 
 
@@ -38,13 +31,20 @@ GOOD_EVALUATION = {
     "win_minus_loss": 0.3,
     "win_minus_loss_low": 0.05,
     "win_minus_loss_high": 0.55,
+    "lc_identifiable": 1.0,
     "lc_win_rate": 0.62,
     "lc_win_rate_low": 0.53,
     "lc_win_rate_high": 0.7,
     "length_ratio": 0.92,
     "alignment_tax_relative": 0.01,
 }
-GOOD_TRAINING = {"val/kl_best": 0.12, "guard_stopped": 0.0, "guard_enabled": 1.0}
+GOOD_TRAINING = {
+    "val/kl_best": 0.12,
+    "guard_stopped": 0.0,
+    "guard_enabled": 1.0,
+    "guard_length_band": 1.0,
+    "guard_kl_bound": 1.0,
+}
 EVERY_CHECK = [
     "lc_win_rate_low",
     "win_minus_loss_low",
@@ -72,7 +72,7 @@ def test_a_challenger_that_wins_beyond_length_close_to_its_reference_and_stable_
         "length_ratio = 0.92 (in [0.67, 1.5]): pass",
         "alignment_tax_relative = 0.01 (<= 0.05): pass",
         "kl_to_reference = 0.12 (<= 0.3): pass",
-        "no_collapse = 0 (guard_enabled == 1 and guard_stopped == 0): pass",
+        "no_collapse = 0 (guard on with length band and KL bound, guard_stopped == 0): pass",
     ]
 
 
@@ -87,6 +87,9 @@ def test_a_challenger_that_wins_beyond_length_close_to_its_reference_and_stable_
         (GOOD_EVALUATION, {**GOOD_TRAINING, "val/kl_best": 0.31}, "kl_to_reference"),
         (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_stopped": 1.0}, "no_collapse"),
         (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_enabled": 0.0}, "no_collapse"),
+        (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_length_band": 0.0}, "no_collapse"),
+        (GOOD_EVALUATION, {**GOOD_TRAINING, "guard_kl_bound": 0.0}, "no_collapse"),
+        ({**GOOD_EVALUATION, "lc_identifiable": 0.0}, GOOD_TRAINING, "lc_win_rate_low"),
     ],
 )
 def test_each_check_fails_alone(evaluation: dict, training: dict, failing: str) -> None:
@@ -111,6 +114,8 @@ def test_each_check_fails_alone(evaluation: dict, training: dict, failing: str) 
         (GOOD_EVALUATION, drop(GOOD_TRAINING, "val/kl_best"), "kl_to_reference", "val/kl_best is not in its PPO run"),
         (GOOD_EVALUATION, drop(GOOD_TRAINING, "guard_stopped"), "no_collapse", "guard_stopped is not in its PPO run"),
         (GOOD_EVALUATION, drop(GOOD_TRAINING, "guard_enabled"), "no_collapse", "guard_enabled is not in its PPO run"),
+        (GOOD_EVALUATION, drop(GOOD_TRAINING, "guard_length_band"), "no_collapse", "guard_length_band is not in"),
+        (drop(GOOD_EVALUATION, "lc_identifiable"), GOOD_TRAINING, "lc_win_rate_low", "lc_identifiable is not in"),
     ],
 )
 def test_a_missing_figure_fails_its_check_saying_it_is_missing(
@@ -138,13 +143,40 @@ def test_an_evaluation_from_before_the_length_controlled_judgement_fails_on_each
 
 
 def test_a_run_without_the_guard_is_reported_as_guard_disabled_never_as_no_collapse() -> None:
-    unguarded = {"val/kl_best": 0.12, "guard_stopped": 0.0, "guard_enabled": 0.0}  # the guard never fired: it was off
+    unguarded = {**GOOD_TRAINING, "guard_enabled": 0.0}  # the guard never fired: it was off
     check = by_name(gate_checks(PromotionConfig(), GOOD_EVALUATION, unguarded))["no_collapse"]
     assert not check.passed and check.shown_value() == "guard disabled"
     assert check.value == 0.0  # the figure is kept, but never shown as a clean bill
-    assert check.describe() == "no_collapse = guard disabled (guard_enabled == 1 and guard_stopped == 0): FAIL"
+    assert check.describe() == f"no_collapse = guard disabled ({NO_COLLAPSE_BOUND}): FAIL"
     result = PromotionResult(decision="rejected", model="rlhf-policy", checks=[check], message="rejected")
-    assert "| no_collapse | guard disabled | guard_enabled == 1 and guard_stopped == 0 | FAIL |" in result.markdown()
+    assert f"| no_collapse | guard disabled | {NO_COLLAPSE_BOUND} | FAIL |" in result.markdown()
+
+
+@pytest.mark.parametrize(
+    ("guard", "shown"),
+    [
+        ({"guard_length_band": 0.0}, "length band off"),
+        ({"guard_kl_bound": 0.0}, "KL bound off"),
+        ({"guard_length_band": 0.0, "guard_kl_bound": 0.0}, "length band and KL bound off"),
+    ],
+)
+def test_a_run_with_the_length_band_or_the_kl_bound_off_fails_no_collapse_saying_which(guard: dict, shown: str) -> None:
+    check = by_name(gate_checks(PromotionConfig(), GOOD_EVALUATION, {**GOOD_TRAINING, **guard}))["no_collapse"]
+    assert not check.passed and check.shown_value() == shown
+
+
+def test_a_gate_told_not_to_require_no_collapse_records_it_in_the_decision() -> None:
+    unguarded = {**GOOD_TRAINING, "guard_enabled": 0.0, "guard_length_band": 0.0, "guard_kl_bound": 0.0}
+    check = by_name(gate_checks(PromotionConfig(require_no_collapse=False), GOOD_EVALUATION, unguarded))["no_collapse"]
+    assert check.passed
+    assert check.describe() == f"no_collapse = {NOT_REQUIRED} ({NO_COLLAPSE_BOUND}): pass"
+
+
+def test_an_unidentified_length_controlled_rate_fails_shown_as_not_identifiable_never_as_a_number() -> None:
+    unidentified = {**drop(drop(GOOD_EVALUATION, "lc_win_rate_low"), "lc_win_rate"), "lc_identifiable": 0.0}
+    check = by_name(gate_checks(PromotionConfig(), unidentified, GOOD_TRAINING))["lc_win_rate_low"]
+    assert not check.passed and check.value is None
+    assert check.describe() == f"lc_win_rate_low = {NOT_IDENTIFIABLE} (> 0.5): FAIL"
 
 
 def test_identical_models_never_pass_the_gate_however_permissive_its_bounds() -> None:
@@ -172,8 +204,8 @@ def test_the_bounds_come_from_the_promotion_section() -> None:
         require_no_collapse=False,
     )
     checks = gate_checks(settings, {"win_minus_loss_low": -0.1}, {"val/kl_best": 9.0, "guard_stopped": 1.0})
-    assert verdicts(checks) == {"win_minus_loss_low": True}  # every other check is off
-    assert checks[0].bound == "> -0.2"
+    assert verdicts(checks) == {"win_minus_loss_low": True, "no_collapse": True}  # every other check is off
+    assert checks[0].bound == "> -0.2" and checks[1].shown_value() == NOT_REQUIRED  # off, and said so
     at_the_bounds = {**GOOD_EVALUATION, "lc_win_rate_low": 0.41, "length_ratio": 2.0, "alignment_tax_relative": 0.1}
     settings = PromotionConfig(min_lc_win_rate_low=0.4, max_length_ratio=2.0, max_alignment_tax=0.1, max_kl=0.5)
     assert verdicts(gate_checks(settings, at_the_bounds, {**GOOD_TRAINING, "val/kl_best": 0.5})) == dict.fromkeys(
@@ -314,3 +346,97 @@ def test_the_evaluation_report_says_when_the_guard_was_off(tmp_path: Path, figur
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
     evidence = ppo_evidence_markdown(tmp_path)
     assert evidence is not None and line in evidence
+
+
+def test_against_a_champion_the_band_and_the_tax_hold_to_the_sft_model_too_naming_both_figures() -> None:
+    """Five promotions each shortening by a fifth pass against each champion, but not against SFT."""
+    drifted = {"length_ratio": 0.8**5, "alignment_tax_relative": 0.04 * 5}
+    checks = by_name(gate_checks(PromotionConfig(), GOOD_EVALUATION, GOOD_TRAINING, drifted))
+    assert checks["length_ratio"].passed and checks["alignment_tax_relative"].passed  # against the champion
+    assert [name for name, check in checks.items() if not check.passed] == [
+        "length_ratio_vs_sft",
+        "alignment_tax_relative_vs_sft",
+    ]
+    assert checks["length_ratio_vs_sft"].describe() == "length_ratio_vs_sft = 0.32768 (in [0.67, 1.5]): FAIL"
+    close = {"length_ratio": 0.9, "alignment_tax_relative": 0.02}
+    assert all(check.passed for check in gate_checks(PromotionConfig(), GOOD_EVALUATION, GOOD_TRAINING, close))
+    missing = by_name(gate_checks(PromotionConfig(), GOOD_EVALUATION, GOOD_TRAINING, {"length_ratio": 0.9}))
+    assert missing["alignment_tax_relative_vs_sft"].shown_value() == (
+        "missing: the challenger has no evaluation.alignment_tax_relative tag (its pipeline run's evaluation "
+        "against its SFT model)"
+    )
+    unbounded = PromotionConfig(min_length_ratio=None, max_length_ratio=None, max_alignment_tax=None)
+    assert "length_ratio_vs_sft" not in by_name(gate_checks(unbounded, GOOD_EVALUATION, GOOD_TRAINING, drifted))
+
+
+def test_the_figures_against_sft_come_from_the_challengers_evaluation_tags() -> None:
+    tags = {
+        "evaluation.status": "evaluated",
+        "evaluation.judge": "rm",
+        "evaluation.baseline": "SFT model",
+        "evaluation.length_ratio": "0.81",
+        "evaluation.alignment_tax_relative": "0.012",
+        "rlhf.content_sha256": "ab" * 32,
+    }
+    assert figures_against_sft(tags) == {"length_ratio": 0.81, "alignment_tax_relative": 0.012}
+    identical = figures_against_sft({"evaluation.status": IDENTICAL_MODELS})
+    assert (identical["length_ratio"], identical["alignment_tax_relative"]) == (1.0, 0.0)
+
+
+POLICY_REWARD_AT_CHANCE = {
+    "val/length_matched_accuracy": 0.55,
+    "val/length_matched_accuracy_low": 0.43,
+    "val/length_matched_accuracy_high": 0.66,
+    "val/auc_gain_over_length": 0.01,
+    "val/auc_gain_over_length_low": -0.02,
+    "val/auc_gain_over_length_high": 0.04,
+}
+JUDGE_SKILLED = {
+    "val/length_matched_accuracy": 0.74,
+    "val/length_matched_accuracy_low": 0.65,
+    "val/length_matched_accuracy_high": 0.82,
+    "val/auc_gain_over_length": 0.12,
+    "val/auc_gain_over_length_low": 0.08,
+    "val/auc_gain_over_length_high": 0.16,
+}
+REFUSED_EVALUATION = {
+    "length_ratio": 0.75,
+    "length_matched/pairs": 41.0,
+    "length_matched/win_minus_loss": 0.05,
+    "length_matched/win_minus_loss_low": -0.2,
+    "length_matched/win_minus_loss_high": 0.29,
+}
+
+
+def test_a_refusal_says_what_limits_it_from_the_measured_figures() -> None:
+    training = {**GOOD_TRAINING, "sft_reward_length_spearman": -0.55}
+    figures = RefusalFigures.gather(POLICY_REWARD_AT_CHANCE, JUDGE_SKILLED, training, REFUSED_EVALUATION)
+    assert figures.paragraph() == (
+        "Why: the policy reward model ranks length-matched pairs at chance (0.55 (0.43-0.66)): PPO can learn "
+        "little from it but length; more preference pairs or a larger base model are needed. Measured: policy "
+        "reward model length-matched accuracy 0.55 (0.43-0.66), AUC gain over length +0.01 (-0.02 to +0.04); "
+        "judge length-matched accuracy 0.74 (0.65-0.82), AUC gain over length +0.12 (+0.08 to +0.16); "
+        "reward-length Spearman on the SFT policy's replies -0.55; evaluation length ratio 0.75, 41 "
+        "length-matched pairs, win - lose +0.05 (-0.20 to +0.29)."
+    )
+    # the next limit in line once the policy reward model sees beyond length
+    skilled = RefusalFigures.gather(JUDGE_SKILLED, POLICY_REWARD_AT_CHANCE, training, REFUSED_EVALUATION)
+    assert skilled.limit().startswith("the judge ranks length-matched pairs at chance (0.55 (0.43-0.66))")
+    few = RefusalFigures.gather(JUDGE_SKILLED, JUDGE_SKILLED, training, REFUSED_EVALUATION)
+    assert few.limit().startswith("the evaluation judged 41 length-matched pairs, fewer than 60")
+    enough = RefusalFigures.gather(JUDGE_SKILLED, None, training, {**REFUSED_EVALUATION, "length_matched/pairs": 80})
+    assert enough.limit().endswith("measured no gain beyond length that clears the gate")
+    assert "judge n/a (not a reward model)" in enough.paragraph()
+    unknown = RefusalFigures.gather({}, {}, {}, {})  # nothing measured: nothing named as the limit
+    assert "n/a" in unknown.paragraph() and not unknown.policy_reward.at_chance
+
+
+def test_the_decision_shows_the_explanation_under_the_failed_checks() -> None:
+    checks = gate_checks(PromotionConfig(), {**GOOD_EVALUATION, "length_ratio": 0.5}, GOOD_TRAINING)
+    explanation = RefusalFigures.gather(POLICY_REWARD_AT_CHANCE, None, {}, REFUSED_EVALUATION).paragraph()
+    result = PromotionResult(
+        decision="rejected", model="rlhf-policy", checks=checks, explanation=explanation, message="rejected"
+    )
+    markdown, summary = result.markdown(), result.summary()
+    assert markdown.index("| length_ratio | 0.5 |") < markdown.index(explanation)
+    assert summary.splitlines()[-1] == f"  {explanation}"

@@ -1,4 +1,4 @@
-"""The promotion gate's controls on the tiny model (issue 27): shortening cannot pass it, real gains can.
+"""The promotion gate's controls on the tiny model: shortening cannot pass it, real gains can.
 
 Every control builds the evaluation's figures as the eval stage does (stages/evaluate.py): both models
 answer the evaluation prompts of prepared data (`generate_replies`, the evaluation's sampling settings),
@@ -18,8 +18,20 @@ bias on some tokens' logits (`tilted`). The judges are rules, so what they pay f
   collapse that stays under KL 0.3): the gate must fail it, the guard shown as disabled;
 - positive control, "a genuinely better policy": a policy moved toward the words of the preferred replies
   of the training data, judged by a dense rule that is not length (the share of a reply's tokens that are
-  such words): replies of the SFT model's length, and the gate must pass it.
+  such words): the gate must pass it (below, against the baseline with spread lengths, as long as it
+  answers, and its replies cut or padded).
 The PPO run's figures are given (a run of the default guard, or of none, that the guard did not stop).
+
+The edges of the length-controlled win rate, with the anchor rows of the eval stage (the baseline's i-th
+reply against its (i+1)-th, judged too; length_control.py): the baseline is the tiny SFT model with its
+end-of-turn token made likelier (`BASELINE_EOT_BIAS`), so its replies vary in length below the cap, and
+each model answers every prompt `SAMPLES` times (A's i-th reply against B's i-th, as the stage pairs them):
+- the baseline's own replies cut to 0.75 and to 0.9 of their length (inside the length band), judged by
+  the shorter-is-better judge, and padded to 1.3x (their own first tokens again), judged by a
+  longer-is-better one, must fail the gate on the length-controlled check;
+- the better policy (a little longer than the baseline as it answers), its replies as they are and cut to
+  0.7 (shorter than the baseline's; cutting hardly changes the share of preferred words), must still
+  pass it.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,42 +48,58 @@ import torch
 from fixtures.tiny_ppo import hh_pair, tiny_config
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import CollapseGuardConfig, Config
+from rlhf_core.config import CollapseGuardConfig, Config, EvaluationConfig
 from rlhf_core.data.prepare import load_split
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
-from rlhf_core.evaluation.generation import Reply, generate_replies
+from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
 from rlhf_core.evaluation.judges.reward_model import margin_verdict
 from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement
-from rlhf_core.evaluation.outputs import generation_rows, read_generations, write_jsonl
+from rlhf_core.evaluation.outputs import (
+    anchor_generation_rows,
+    generation_rows,
+    read_generations,
+    sample_generation_rows,
+    write_jsonl,
+)
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import build_report
+from rlhf_core.evaluation.report import JudgedPair, build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.stages.evaluate import GENERATIONS_FILE, judged_pairs
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.promotion.gate import GUARD_DISABLED, gate_checks
+from rlhf_core.promotion.gate import GUARD_DISABLED, NO_COLLAPSE_BOUND, gate_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SOURCE_PAIRS = 120
-SETTINGS = ("data.max_eval_pairs=null", "data.eval_fraction=0.3", "evaluation.generation.max_new_tokens=24")
+DEFAULT_EVALUATION = EvaluationConfig()  # the default thresholds of the anchored fit, not tiny.yaml's
+SETTINGS = (
+    "data.max_eval_pairs=null",
+    "data.eval_fraction=0.3",
+    "evaluation.generation.max_new_tokens=24",
+    f"evaluation.min_anchor_pairs={DEFAULT_EVALUATION.min_anchor_pairs}",
+    f"evaluation.min_informative_pairs={DEFAULT_EVALUATION.min_informative_pairs}",
+)
 COLLAPSE_BIAS = 8.5  # on the end-of-turn logit: about 1 in 10 tokens ends the reply (the random SFT's: 1 in 49k)
+BASELINE_EOT_BIAS = 7.5  # about 1 in 27 tokens ends the reply: lengths spread below the 24-token cap
+SAMPLES = 4  # replies per prompt and model, as evaluation.length_matched_samples
 PREFERRED_WORDS_BIAS = 5.0  # on the logits of the preferred replies' tokens
 BREVITY_JUDGE_NOISE = 4.0  # tokens: the brevity judge's score is minus the length plus this much noise
+SHARP_JUDGE_NOISE = 1.0  # tokens: the length judges of the baseline's replies, a few tokens apart, decide on length
 GUARD_OFF = CollapseGuardConfig(max_kl=None, min_length_ratio=None, max_length_ratio=None, max_perplexity_drop=None)
 
 
 # ---- the policies and the judges
 
 
-def tilted(model: PreTrainedModel, token_ids: Sequence[int], bias: float) -> PreTrainedModel:
-    """A copy of `model` whose output layer adds `bias` to the logits of `token_ids` (and nothing else)."""
+def tilted(model: PreTrainedModel, biases: Mapping[int, float]) -> PreTrainedModel:
+    """A copy of `model` whose output layer adds `biases[token]` to each token's logit (and nothing else)."""
     moved = copy.deepcopy(model)
     head = torch.nn.Linear(moved.lm_head.in_features, moved.lm_head.out_features, bias=True)
     with torch.no_grad():
         head.weight.copy_(moved.lm_head.weight)
         head.bias.zero_()
-        head.bias[list(token_ids)] = bias
+        head.bias[list(biases)] = torch.tensor(list(biases.values()), dtype=head.bias.dtype)
     moved.lm_head = head
     return moved.eval()
 
@@ -97,15 +125,21 @@ class RuleJudge:
         return JudgeInfo(kind="rule", name=self.name, role=f"the rule judge {self.name}", description=f"rule judge: {self.name}")
 
 
-def brevity_judge(tokenizer: PreTrainedTokenizerBase) -> RuleJudge:
+def brevity_judge(tokenizer: PreTrainedTokenizerBase, noise_tokens: float = BREVITY_JUDGE_NOISE) -> RuleJudge:
     """A judge whose score falls with length, like the reward model of the issue (reward-length Spearman
     -0.55): minus the reply's token count, plus a fixed noise drawn from the reply's text."""
 
     def score(ids: list[int]) -> float:
         noise = np.random.default_rng(int(hashlib.sha256(str(ids).encode()).hexdigest()[:8], 16)).normal()
-        return -float(len(ids)) + BREVITY_JUDGE_NOISE * noise
+        return -float(len(ids)) + noise_tokens * noise
 
     return RuleJudge("shorter is better", tokenizer, score)
+
+
+def verbosity_judge(tokenizer: PreTrainedTokenizerBase) -> RuleJudge:
+    """The sharp brevity judge turned round: its score rises with length."""
+    brevity = brevity_judge(tokenizer, SHARP_JUDGE_NOISE).score
+    return RuleJudge("longer is better", tokenizer, lambda ids: -brevity(ids))
 
 
 def vocabulary_judge(tokenizer: PreTrainedTokenizerBase, preferred: set[int]) -> RuleJudge:
@@ -131,30 +165,77 @@ def answers(
     return replies, perplexity
 
 
+def one_each(answers: tuple[list[Reply], float]) -> tuple[list[list[Reply]], float]:
+    """One reply per prompt (no anchor rows: the length-controlled win rate is not identifiable)."""
+    return [[reply] for reply in answers[0]], answers[1]
+
+
+def sampled_answers(
+    config: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[EvalPrompt]
+) -> tuple[list[list[Reply]], float]:
+    """A model's `SAMPLES` replies to each prompt (the eval stage's `draw_replies`: the main reply from
+    `seed`, the others from `seed + 1`) and its perplexity on the prompts' held-out chosen replies."""
+    main, perplexity = answers(config, model, tokenizer, prompts)
+    settings = config.evaluation
+    extra = sample_replies(
+        model, tokenizer, [p.prompt for p in prompts], settings.generation, settings.batch_size, config.seed + 1,
+        SAMPLES - 1,
+    )
+    return [[first, *others] for first, others in zip(main, extra)], perplexity
+
+
+def judged(rows: list[dict], judge: RuleJudge, path: Path) -> list[JudgedPair]:
+    """The pairs of generations.jsonl-style `rows`, written to `path`, read back and judged."""
+    write_jsonl(path, rows)
+    generated = read_generations(path)
+    return judged_pairs(generated, judge.judge([item.pair for item in generated]))
+
+
+def by_prompt(prompts: Sequence[EvalPrompt], pairs: Sequence[JudgedPair], rows: Sequence[dict]) -> list[list[JudgedPair]]:
+    """`pairs` (of `rows`) grouped by prompt, in the prompts' order."""
+    groups: dict[str, list[JudgedPair]] = {prompt.prompt_id: [] for prompt in prompts}
+    for pair, row in zip(pairs, rows, strict=True):
+        groups[row["prompt_id"]].append(pair)
+    return list(groups.values())
+
+
 def evaluation_figures(
     config: Config,
     prompts: Sequence[EvalPrompt],
-    a: tuple[list[Reply], float],
-    b: tuple[list[Reply], float],
+    a: tuple[list[list[Reply]], float],
+    b: tuple[list[list[Reply]], float],
     judge: RuleJudge,
     out_dir: Path,
 ) -> dict[str, float]:
-    """metrics.json's figures of model A (replies, perplexity) against model B, judged by `judge`."""
+    """metrics.json's figures of model A (replies per prompt, the main one first; perplexity) against model
+    B, judged by `judge`: the main pairs, A's i-th reply against B's i-th for the length-controlled win
+    rate, and B's replies against each other as its anchor rows (none with one reply per prompt)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out_dir / GENERATIONS_FILE, generation_rows(prompts, a[0], b[0]))
-    generated = read_generations(out_dir / GENERATIONS_FILE)
-    pairs = judged_pairs(generated, judge.judge([item.pair for item in generated]))
+    main_rows = generation_rows(prompts, [replies[0] for replies in a[0]], [replies[0] for replies in b[0]])
+    pairs = judged(main_rows, judge, out_dir / GENERATIONS_FILE)
+    samples = min(len(a[0][0]), len(b[0][0]))
+    sample_rows = sample_generation_rows(prompts, a[0], b[0], samples)
+    length_control = by_prompt(prompts, pairs, main_rows)
+    sample_pairs = judged(sample_rows, judge, out_dir / "samples.jsonl")
+    for group, extra in zip(length_control, by_prompt(prompts, sample_pairs, sample_rows), strict=True):
+        group.extend(extra)
+    anchor_rows = anchor_generation_rows(prompts, b[0])
+    anchors = by_prompt(prompts, judged(anchor_rows, judge, out_dir / "anchors.jsonl"), anchor_rows) if anchor_rows else None
     tax = AlignmentTax(replies=len(prompts), perplexity_a=a[1], perplexity_b=b[1])
+    settings = config.evaluation
     report = build_report(
-        pairs, judge.info(), "A", "B", config.evaluation.generation, config.seed, alignment_tax=tax, resamples=1000
+        pairs, judge.info(), "A", "B", settings.generation, config.seed, alignment_tax=tax, resamples=1000,
+        length_control_pairs=length_control, anchor_pairs=anchors, min_anchor_pairs=settings.min_anchor_pairs,
+        min_informative_pairs=settings.min_informative_pairs,
     )
     return report.metrics()
 
 
 def ppo_run_figures(guard: CollapseGuardConfig, kl: float) -> dict[str, float]:
     """The figures of a PPO run's metrics.json the gate reads, for a run the guard did not stop:
-    `guard_enabled` as the PPO stage writes it (stages/ppo.py: `stage_metrics`)."""
-    return {"val/kl_best": kl, "guard_enabled": float(guard.enabled), "guard_stopped": 0.0}
+    `guard_enabled` and each bound on or off as the PPO stage writes them (stages/ppo.py: `stage_metrics`)."""
+    bounds = {name: float(on) for name, on in guard.bounds_on().items()}
+    return {"val/kl_best": kl, "guard_enabled": float(guard.enabled), "guard_stopped": 0.0, **bounds}
 
 
 GUARDED_RUN = ppo_run_figures(CollapseGuardConfig(), kl=0.12)  # the default guard, not fired; KL within the bound
@@ -167,6 +248,21 @@ def cut(replies: Sequence[Reply], lengths: Sequence[int], tokenizer) -> list[Rep
         ids = tokenizer(reply.text, add_special_tokens=False)["input_ids"][:length]
         shortened.append(Reply(text=tokenizer.decode(ids), tokens=len(ids), finished=False))
     return shortened
+
+
+def scaled(replies: Sequence[Sequence[Reply]], factor: float, tokenizer) -> list[list[Reply]]:
+    """Every reply cut to `factor` of its length in tokens (rounded, at least one), or for a factor above 1
+    padded to it with its own first tokens again, so what it says is kept and only its length moves; its
+    length is counted as the judges count it, on its text (1.0: the replies re-counted so)."""
+    moved = []
+    for group in replies:
+        moved.append([])
+        for reply in group:
+            ids = tokenizer(reply.text, add_special_tokens=False)["input_ids"]
+            text = tokenizer.decode((ids * 2)[: max(1, round(len(ids) * factor))])
+            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            moved[-1].append(Reply(text=text, tokens=tokens, finished=False))
+    return moved
 
 
 # ---- the fixtures
@@ -196,8 +292,17 @@ def setting(tmp_path_factory: pytest.TempPathFactory, tokenizer: PreTrainedToken
 @pytest.fixture(scope="module")
 def collapsed_answers(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> tuple[list[Reply], float]:
     """A collapsed policy: its end-of-turn token made likely, so it answers in a few tokens."""
-    collapsed = tilted(setting.sft, [end_of_turn_id(tokenizer)], COLLAPSE_BIAS)
+    collapsed = tilted(setting.sft, {end_of_turn_id(tokenizer): COLLAPSE_BIAS})
     return answers(setting.config, collapsed, tokenizer, setting.prompts)
+
+
+@pytest.fixture(scope="module")
+def baseline(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> tuple[PreTrainedModel, tuple[list[list[Reply]], float]]:
+    """The baseline of the length-controlled controls: the SFT model with replies of spread lengths, and its
+    `SAMPLES` answers to each prompt."""
+    model = tilted(setting.sft, {end_of_turn_id(tokenizer): BASELINE_EOT_BIAS})
+    replies, perplexity = sampled_answers(setting.config, model, tokenizer, setting.prompts)
+    return model, (scaled(replies, 1.0, tokenizer), perplexity)
 
 
 # ---- the controls
@@ -217,7 +322,8 @@ def test_sft_replies_cut_to_the_collapsed_lengths_fail_the_gate_though_they_win_
     replies = cut(setting.sft_answers[0], lengths, tokenizer)
     cut_answers = (replies, setting.sft_answers[1])  # the SFT model itself answered: no alignment tax
     evaluation = evaluation_figures(
-        setting.config, setting.prompts, cut_answers, setting.sft_answers, brevity_judge(tokenizer), tmp_path
+        setting.config, setting.prompts, one_each(cut_answers), one_each(setting.sft_answers), brevity_judge(tokenizer),
+        tmp_path,
     )
     checks = {check.name: check for check in gate_checks(setting.config.promotion, evaluation, GUARDED_RUN)}
     described = [check.describe() for check in checks.values()]
@@ -231,25 +337,72 @@ def test_a_collapsed_run_with_the_guard_off_fails_the_gate_shown_as_guard_disabl
     setting: Setting, collapsed_answers, tokenizer, tmp_path: Path
 ) -> None:
     evaluation = evaluation_figures(
-        setting.config, setting.prompts, collapsed_answers, setting.sft_answers, brevity_judge(tokenizer), tmp_path
+        setting.config, setting.prompts, one_each(collapsed_answers), one_each(setting.sft_answers),
+        brevity_judge(tokenizer), tmp_path,
     )
     training = ppo_run_figures(GUARD_OFF, kl=0.2)  # under the KL bound: KL alone would not stop it
     checks = {check.name: check for check in gate_checks(setting.config.promotion, evaluation, training)}
     described = [check.describe() for check in checks.values()]
     assert checks["kl_to_reference"].passed and checks["win_minus_loss_low"].passed, described
     assert checks["no_collapse"].describe() == (
-        f"no_collapse = {GUARD_DISABLED} (guard_enabled == 1 and guard_stopped == 0): FAIL"
+        f"no_collapse = {GUARD_DISABLED} ({NO_COLLAPSE_BOUND}): FAIL"
     )
     assert not checks["length_ratio"].passed, described
 
 
-def test_a_genuinely_better_policy_passes_the_gate(setting: Setting, tokenizer, tmp_path: Path) -> None:
-    better = tilted(setting.sft, sorted(setting.preferred), PREFERRED_WORDS_BIAS)
-    better_answers = answers(setting.config, better, tokenizer, setting.prompts)
+# ---- the length-controlled win rate at its edges
+
+
+def lc_control_checks(setting: Setting, a, b, judge: RuleJudge, tmp_path: Path) -> tuple[dict[str, float], dict]:
+    evaluation = evaluation_figures(setting.config, setting.prompts, a, b, judge, tmp_path)
+    return evaluation, {check.name: check for check in gate_checks(setting.config.promotion, evaluation, GUARDED_RUN)}
+
+
+def test_the_baseline_has_the_length_spread_its_anchor_pairs_need(baseline) -> None:
+    _, (samples, _) = baseline
+    tokens = np.array([[reply.tokens for reply in group] for group in samples])
+    assert len(samples[0]) == SAMPLES and tokens.std() > 3 and (tokens < 24).mean() > 0.5
+
+
+@pytest.mark.parametrize("fraction", [0.75, 0.9])
+def test_the_baseline_cut_short_and_judged_by_brevity_fails_on_the_length_controlled_check(
+    setting: Setting, baseline, tokenizer, fraction: float, tmp_path: Path
+) -> None:
+    _, answers_b = baseline
+    cut_answers = (scaled(answers_b[0], fraction, tokenizer), answers_b[1])  # the baseline itself: no tax
+    judge = brevity_judge(tokenizer, SHARP_JUDGE_NOISE)
+    evaluation, checks = lc_control_checks(setting, cut_answers, answers_b, judge, tmp_path)
+    described = [check.describe() for check in checks.values()]
+    assert evaluation["win_rate"] > evaluation["lose_rate"], described  # the judge prefers the cut replies
+    assert checks["length_ratio"].passed and checks["alignment_tax_relative"].passed, described  # inside the band
+    assert not checks["lc_win_rate_low"].passed, described  # the length-controlled check is the one that fails
+    assert evaluation["lc_anchor_pairs"] > 0
+
+
+def test_the_baseline_padded_and_judged_by_verbosity_fails_on_the_length_controlled_check(
+    setting: Setting, baseline, tokenizer, tmp_path: Path
+) -> None:
+    _, answers_b = baseline
+    padded = (scaled(answers_b[0], 1.3, tokenizer), answers_b[1])
+    evaluation, checks = lc_control_checks(setting, padded, answers_b, verbosity_judge(tokenizer), tmp_path)
+    described = [check.describe() for check in checks.values()]
+    assert evaluation["win_rate"] > evaluation["lose_rate"] and checks["length_ratio"].passed, described
+    assert not checks["lc_win_rate_low"].passed, described
+
+
+@pytest.mark.parametrize(("factor", "longer"), [(0.7, False), (1.0, True)])
+def test_a_genuinely_better_policy_passes_the_gate_shorter_or_longer(
+    setting: Setting, baseline, tokenizer, factor: float, longer: bool, tmp_path: Path
+) -> None:
+    """As it answers, the better policy is a little longer than the baseline; cut to 0.7, shorter."""
+    _, answers_b = baseline
+    eot = end_of_turn_id(tokenizer)  # made likelier as the baseline's is: replies of about its length
+    biases = {**dict.fromkeys(sorted(setting.preferred), PREFERRED_WORDS_BIAS), eot: BASELINE_EOT_BIAS}
+    replies, perplexity = sampled_answers(setting.config, tilted(setting.sft, biases), tokenizer, setting.prompts)
+    moved = (scaled(replies, factor, tokenizer), perplexity)  # 1.0: re-counted as the judge counts
     judge = vocabulary_judge(tokenizer, setting.preferred)
-    evaluation = evaluation_figures(
-        setting.config, setting.prompts, better_answers, setting.sft_answers, judge, tmp_path
-    )
-    checks = gate_checks(setting.config.promotion, evaluation, GUARDED_RUN)
-    assert [check.name for check in checks if not check.passed] == [], [check.describe() for check in checks]
-    assert evaluation["lc_win_rate_low"] > 0.5 and 0.67 <= evaluation["length_ratio"] <= 1.5
+    evaluation, checks = lc_control_checks(setting, moved, answers_b, judge, tmp_path)
+    described = [check.describe() for check in checks.values()]
+    assert (evaluation["length_ratio"] > 1) == longer, described
+    assert [name for name, check in checks.items() if not check.passed] == [], described
+    assert evaluation["lc_identifiable"] == 1 and evaluation["lc_win_rate_low"] > 0.5

@@ -79,6 +79,26 @@ def test_the_guard_is_enabled_while_any_bound_is_set() -> None:
     assert not CollapseGuardConfig(**off, length_window=4).enabled  # a window is no bound
 
 
+def test_the_guard_reports_each_bound_it_has_and_a_length_band_off_as_such() -> None:
+    assert CollapseGuardConfig().bounds_on() == {
+        "guard_kl_bound": True,
+        "guard_length_band": True,
+        "guard_perplexity_bound": True,
+    }
+    assert CollapseGuardConfig().describe() == "KL <= 0.5; length band [0.67, 1.5]; perplexity drop <= 0.5"
+    only_perplexity = CollapseGuardConfig(max_kl=None, min_length_ratio=None, max_length_ratio=None)
+    assert only_perplexity.enabled  # on, but with neither bound the promotion gate needs
+    assert only_perplexity.bounds_on() == {
+        "guard_kl_bound": False,
+        "guard_length_band": False,
+        "guard_perplexity_bound": True,
+    }
+    assert only_perplexity.describe() == "KL bound off; length band off; perplexity drop <= 0.5"
+    one_sided = CollapseGuardConfig(max_length_ratio=None, max_perplexity_drop=None)
+    assert not one_sided.bounds_on()["guard_length_band"]
+    assert one_sided.describe() == "KL <= 0.5; length band off (only min_length_ratio 0.67); perplexity bound off"
+
+
 def test_perplexity_drop_bound() -> None:
     check_perplexity_drop(5.0, 10.0, 0.5, step=2)  # exactly a 50% drop is allowed
     check_perplexity_drop(30.0, 10.0, 0.5, step=2)  # a rise is not what this bound is about
