@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from fixtures.tiny_ppo import StageInputs
     from mlflow import MlflowClient
 
-pytest_plugins = ["fixtures.servers"]
+pytest_plugins = ["fixtures.servers", "fixtures.team_stack"]
 
 
 @pytest.fixture(scope="module")
