@@ -3,6 +3,8 @@
     python infra/native/stack.py up [--env-file infra/.env] [--state-dir .stack] [--project-dir .]
                                     [--port SERVICE=PORT ...]
     python infra/native/stack.py status [--state-dir .stack]
+    python infra/native/stack.py restart SERVICE [--state-dir .stack]
+    python infra/native/stack.py kill SERVICE [--state-dir .stack]
     python infra/native/stack.py down [--state-dir .stack]
 
 `up` starts every service of compose.yaml as a native process, in compose's dependency order, each once
@@ -11,7 +13,8 @@ in for MinIO (`rclone serve s3`, its buckets), the Prefect server, the MLflow se
 workers; then it registers the deployments of prefect.yaml (`prefect deploy --all`) and returns, leaving
 the services running. Commands and settings come from compose.yaml itself (stack_compose.py). The state
 folder holds the databases, the S3 data, each service's log and `stack.json` (process groups, ports,
-addresses), which `status` and `down` read; `down` stops every process and keeps the data, as
+addresses), which `status`, `restart` and `down` read; `restart` stops one service and starts it again on
+the same port and data, `kill` ends one as a crash would (SIGKILL, with all it started); `down` stops every process and keeps the data, as
 `docker compose down` does.
 """
 
@@ -35,35 +38,26 @@ from stack_compose import (
     read_env_file,
     start_order,
 )
-from stack_processes import StackError, group_alive, stop_group
+from stack_processes import (
+    StackError,
+    family_groups,
+    group_alive,
+    kill_groups,
+    stop_group,
+)
 from stack_services import ServiceStarter
 
 CHECKOUT = INFRA.parent
 STATE_FILE = "stack.json"
 
 
-def up(
-    env_file: Path, state: Path, project_dir: Path, port_overrides: dict[str, int]
-) -> dict:
+def up(env_file: Path, state: Path, project_dir: Path, port_overrides: dict[str, int]) -> dict:
     """Start the stack; returns what `stack.json` records. A service that fails stops the ones started."""
-    if (state / STATE_FILE).exists() and any(
-        group_alive(item["group"]) for item in _services(state).values()
-    ):
-        raise StackError(
-            f"a stack is already running from {state}: stop it first (down)"
-        )
-    values = read_env_file(env_file)
-    services = load_services(values)
+    if any(group_alive(item["group"]) for item in _services(state).values()):
+        raise StackError(f"a stack is already running from {state}: stop it first (down)")
     state.mkdir(parents=True, exist_ok=True)
-    placement = Placement(
-        values.get("BIND_ADDRESS", "127.0.0.1"),
-        _ports(services, port_overrides),
-        state / "volumes",
-    )
-    record = {"services": {}, "project_dir": str(project_dir), "urls": _urls(placement)}
-    starter = ServiceStarter(
-        placement, state, project_dir, _clean_environment(values), record
-    )
+    record = {"services": {}, "env_file": str(env_file), "project_dir": str(project_dir)}
+    services, starter = _starter(state, record, port_overrides)
     try:
         for name in start_order(services):
             starter.start(name, services)
@@ -73,6 +67,39 @@ def up(
         down(state)
         raise
     return record
+
+
+def restart(state: Path, name: str) -> None:
+    """Stop one service of the running stack and start it again on the same port and data (a database
+    restarted under a running pipeline, a worker replaced)."""
+    record = json.loads((state / STATE_FILE).read_text())
+    if name not in record["services"]:
+        raise StackError(f"no service {name!r} in {state}; there are {sorted(record['services'])}")
+    ports = {service: item["port"] for service, item in record["services"].items() if item["port"] is not None}
+    services, starter = _starter(state, record, ports)
+    stop_group(record["services"][name]["group"], signal.Signals[record["services"][name]["stop_signal"]])
+    starter.start(name, services)
+    _write(state, record)
+
+
+def kill(state: Path, name: str) -> None:
+    """SIGKILL one service and everything it started (a worker's flow runs), as a crash or the kernel's
+    out-of-memory killer would: to rehearse a failure; `restart` brings the service back."""
+    services = _services(state)
+    if name not in services:
+        raise StackError(f"no service {name!r} in {state}; there are {sorted(services)}")
+    kill_groups(family_groups(services[name]["group"]))
+
+
+def _starter(state: Path, record: dict, port_overrides: dict[str, int]) -> tuple[dict[str, dict], ServiceStarter]:
+    """compose.yaml's services with the env file of `record` substituted, and a starter placing them on this
+    machine (the given ports, free ones for the databases otherwise); `record` gets the stack's addresses."""
+    values = read_env_file(Path(record["env_file"]))
+    services = load_services(values)
+    placement = Placement(values.get("BIND_ADDRESS", "127.0.0.1"), _ports(services, port_overrides), state / "volumes")
+    record["urls"] = _urls(placement)
+    environment = _clean_environment(values)
+    return services, ServiceStarter(placement, state, Path(record["project_dir"]), environment, record)
 
 
 def down(state: Path) -> list[str]:
@@ -163,7 +190,8 @@ def _clean_environment(values: dict[str, str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "status", "down"])
+    parser.add_argument("action", choices=["up", "status", "restart", "kill", "down"])
+    parser.add_argument("service", nargs="?", help="restart, kill: the compose service, e.g. mlflow-db")
     parser.add_argument(
         "--state-dir",
         type=Path,
@@ -201,11 +229,17 @@ def main(argv: list[str] | None = None) -> int:
                 args.env_file.resolve(), state, args.project_dir.resolve(), overrides
             )
             print(json.dumps(record["urls"], indent=2))
+        elif args.action == "restart":
+            restart(state, args.service)
+            print(f"restarted: {args.service}")
+        elif args.action == "kill":
+            kill(state, args.service)
+            print(f"killed: {args.service}")
         elif args.action == "down":
             print("stopped: " + (", ".join(down(state)) or "nothing was running"))
         else:
-            for name, state_name in status(state).items():
-                print(f"{name}: {state_name}")
+            states = status(state)
+            print("\n".join(f"{name}: {running}" for name, running in states.items()) or f"no stack in {state}")
     except StackError as error:
         print(f"stack: {error}", file=sys.stderr)
         return 1

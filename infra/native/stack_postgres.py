@@ -67,7 +67,7 @@ def start(name: str, env: dict[str, str], port: int, state: Path, log_path: Path
     client_env = {**_server_env(), "PGPASSWORD": env["POSTGRES_PASSWORD"]}
     connect = ["-h", "127.0.0.1", "-p", str(port), "-U", env["POSTGRES_USER"]]
     ready = [str(bin_dir / "pg_isready"), "-q", *connect]
-    is_ready = lambda: subprocess.run(ready, check=False, env=client_env).returncode == 0  # noqa: E731
+    is_ready = lambda: subprocess.run(ready, check=False, env=client_env).returncode == 0
     wait_until(name, group, log_path, is_ready, START_TIMEOUT_S)
     if fresh:
         subprocess.run([str(bin_dir / "createdb"), *connect, env["POSTGRES_DB"]], env=client_env, check=True)

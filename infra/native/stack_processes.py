@@ -7,6 +7,7 @@ groups through their pid files and signals them. A group, not a pid, because ser
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -49,28 +50,55 @@ def start_detached(
     return process.pid
 
 
-def group_alive(group: int) -> bool:
-    """Whether any process of process group `group` is still running (zombies do not count)."""
+def _processes() -> dict[int, tuple[int, int]]:
+    """Every live process (zombies left out): pid -> (parent pid, process group)."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue  # ended while we looked
         # After "pid (comm)": state, ppid, pgrp.
-        if int(state[2]) == group and state[0] != "Z":
-            return True
-    return False
+        if fields[0] != "Z":
+            table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of process group `group` is still running."""
+    return any(pgrp == group for _, pgrp in _processes().values())
+
+
+def family_groups(group: int) -> set[int]:
+    """Process group `group` and the groups of every descendant of its processes. A Prefect worker starts
+    each flow run in a session of its own, so signalling the worker's group alone leaves its flow runs."""
+    table = _processes()
+    members = {pid for pid, (_, pgrp) in table.items() if pgrp == group}
+    frontier = set(members)
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier} - members
+        members |= frontier
+    return {group} | {table[pid][1] for pid in members}
 
 
 def stop_group(group: int, first_signal: signal.Signals = signal.SIGTERM) -> None:
-    """Send `first_signal` to the group, wait up to STOP_TIMEOUT_S for it to end, then SIGKILL what is left."""
+    """Send `first_signal` to the group, wait up to STOP_TIMEOUT_S for it and its descendants' groups to
+    end, then SIGKILL what is left of them. The descendants are found first: once their parent has ended
+    they belong to init, and nothing leads to them any more."""
+    groups = family_groups(group)
     _signal_group(group, first_signal)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while group_alive(group) and time.monotonic() < deadline:
+    while any(group_alive(member) for member in groups) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    _signal_group(group, signal.SIGKILL)
+    kill_groups(groups)
+
+
+def kill_groups(groups: set[int]) -> None:
+    """SIGKILL each of `groups` (those already gone are skipped)."""
+    for member in groups:
+        _signal_group(member, signal.SIGKILL)
 
 
 def _signal_group(group: int, signal_number: signal.Signals) -> None:
@@ -97,6 +125,15 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int | None:
     except urllib.error.HTTPError as error:
         return error.code
     except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def http_json(url: str, headers: dict[str, str]) -> dict | None:
+    """The JSON object `url` answers with, or None while it does not answer 200."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as response:
+            return json.load(response)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
         return None
 
 

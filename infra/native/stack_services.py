@@ -8,12 +8,12 @@ setup, and the Python services that run compose's own command (Prefect server, M
 from __future__ import annotations
 
 import base64
-import json
 import re
 import signal
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -22,6 +22,7 @@ from botocore.config import Config
 from stack_compose import INFRA, Placement
 from stack_processes import (
     StackError,
+    http_json,
     http_status,
     log_tail,
     start_detached,
@@ -234,27 +235,11 @@ class ServiceStarter:
         return {key: env[key] for key in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
 
     @staticmethod
-    def _pool_ready(pool: str, client: dict[str, str]):
+    def _pool_ready(pool: str, client: dict[str, str]) -> Callable[[], bool]:
         """A check that the work pool `pool` reads READY: a worker polls it and sent a heartbeat."""
         token = base64.b64encode(client["PREFECT_API_AUTH_STRING"].encode()).decode()
-        request = {"Authorization": f"Basic {token}"}
-
-        def ready() -> bool:
-            import urllib.request
-
-            try:
-                with urllib.request.urlopen(
-                    urllib.request.Request(
-                        f"{client['PREFECT_API_URL']}/work_pools/{pool}",
-                        headers=request,
-                    ),
-                    timeout=5,
-                ) as response:
-                    return json.load(response).get("status") == "READY"
-            except OSError:
-                return False
-
-        return ready
+        url = f"{client['PREFECT_API_URL']}/work_pools/{pool}"
+        return lambda: (http_json(url, {"Authorization": f"Basic {token}"}) or {}).get("status") == "READY"
 
     def _port(self, name: str) -> int:
         return self.placement.ports[name][1]
