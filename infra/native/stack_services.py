@@ -211,9 +211,8 @@ class ServiceStarter:
         check = service["healthcheck"]
         inside, path = _HEALTH_URL.search(" ".join(check["test"])).groups()
         url = f"http://127.0.0.1:{self.placement.ports[name][1]}{path}"
-        assert int(inside) == self.placement.ports[name][0], (
-            f"{name}'s healthcheck probes another port"
-        )
+        if int(inside) != self.placement.ports[name][0]:
+            raise StackError(f"{name}'s healthcheck in compose.yaml probes port {inside}, not the one it listens on")
         timeout_s = int(str(check["interval"]).rstrip("s")) * int(check["retries"])
         wait_until(
             name, group, self._log(name), lambda: http_status(url) == 200, timeout_s
