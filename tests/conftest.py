@@ -2,6 +2,8 @@
 does not define its own copies (tests/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
+A real Chromium for the web-UI tests, and the one pipeline run they start in the Prefect UI:
+tests/fixtures/browser.py, tests/fixtures/ui_pipeline.py.
 Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,
 `PARAMS`, `TINY`, ...): tests/fixtures/paths.py.
 """
@@ -25,7 +27,13 @@ if TYPE_CHECKING:
     from fixtures.tiny_ppo import StageInputs
     from mlflow import MlflowClient
 
-pytest_plugins = ["fixtures.servers", "fixtures.team_stack"]
+pytest_plugins = [
+    "fixtures.servers",
+    "fixtures.team_stack",
+    "fixtures.browser",
+    "fixtures.ui_pipeline",
+    "fixtures.mlflow_ui",
+]
 
 
 @pytest.fixture(scope="module")

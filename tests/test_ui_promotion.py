@@ -1,0 +1,59 @@
+"""Promotion as a person does it in the Prefect UI, on the challenger the UI-started pipeline run
+registered (tests/fixtures/ui_pipeline.py): the gate rejects it, the run ends in the "Rejected" state, and
+its decision names the failed check; the registry keeps its aliases."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from fixtures.browser import Screenshots
+from fixtures.prefect_ui import (
+    add_list_items,
+    log_in,
+    open_custom_run,
+    open_tab,
+    prefect_client,
+    state_badge,
+    submit_run,
+    wait_for_final_state,
+)
+from fixtures.team_stack import TeamStack
+from fixtures.ui_pipeline import STEP_OVERRIDES, TINY_OVERLAY, UIPipelineRun
+from mlflow import MlflowClient
+from playwright.sync_api import Page, expect
+
+pytestmark = pytest.mark.slow
+
+POLICY = "rlhf-policy"
+# No tiny policy's length-controlled win rate has a 95% lower bound this high: the gate must reject.
+STRICT_GATE = "promotion.min_lc_win_rate_low=0.99"
+
+
+def test_a_rejection_ends_as_rejected_naming_the_failed_check(
+    ui_pipeline_run: UIPipelineRun,
+    team_stack: TeamStack,
+    mlflow_admin_client: MlflowClient,
+    new_page: Callable[..., Page],
+    screenshots: Screenshots,
+) -> None:
+    aliases_before = mlflow_admin_client.get_registered_model(POLICY).aliases
+    assert "challenger" in aliases_before
+    page = new_page()
+    log_in(page, team_stack)
+
+    open_custom_run(page, team_stack, "rlhf-promote")
+    add_list_items(page, "Config (Optional)", [TINY_OVERLAY])
+    add_list_items(page, "Overrides (Optional)", [*STEP_OVERRIDES, STRICT_GATE])
+    gated = submit_run(page)
+    wait_for_final_state(page)
+    expect(state_badge(page)).to_have_text("Rejected")
+    open_tab(page, "Artifacts")
+    page.get_by_text("promotion-decision", exact=True).first.click()
+    expect(page.get_by_role("cell", name="lc_win_rate_low")).to_be_visible()
+    expect(page.get_by_role("cell", name="FAIL").first).to_be_visible()
+    screenshots.take(page, "prefect-promotion-rejected")
+    with prefect_client(team_stack) as client:
+        state = client.read_flow_run(gated).state
+    assert state.name == "Rejected" and "lc_win_rate_low" in state.message
+    assert mlflow_admin_client.get_registered_model(POLICY).aliases == aliases_before
