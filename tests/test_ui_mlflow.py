@@ -16,7 +16,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from playwright.sync_api import Page, expect
 
-pytestmark = pytest.mark.slow
+# The browser first: without one the tests skip before the team stack starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 POLICY = "rlhf-policy"
 

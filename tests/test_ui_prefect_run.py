@@ -24,7 +24,8 @@ from fixtures.team_stack import TeamStack
 from fixtures.ui_pipeline import UIPipelineRun
 from playwright.sync_api import Page, expect
 
-pytestmark = pytest.mark.slow
+# The browser first: without one the tests skip before the team stack starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 
 def test_the_form_starts_a_run_that_a_worker_follows_to_completed(

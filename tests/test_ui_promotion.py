@@ -23,7 +23,8 @@ from fixtures.ui_pipeline import STEP_OVERRIDES, TINY_OVERLAY, UIPipelineRun
 from mlflow import MlflowClient
 from playwright.sync_api import Page, expect
 
-pytestmark = pytest.mark.slow
+# The browser first: without one the tests skip before the team stack starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 POLICY = "rlhf-policy"
 # No tiny policy's length-controlled win rate has a 95% lower bound this high: the gate must reject.

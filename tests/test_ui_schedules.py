@@ -12,7 +12,8 @@ from fixtures.prefect_ui import log_in, open_deployment, prefect_client
 from fixtures.team_stack import TeamStack
 from playwright.sync_api import Locator, Page, expect
 
-pytestmark = pytest.mark.slow
+# The browser first: without one the tests skip before the team stack starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 SCHEDULE_SHOWN = "At 03:00 AM, only on Monday"  # prefect.yaml's "0 3 * * 1" in the UI's words
 AUTOMATION = "rlhf-retrain on new data"

@@ -11,7 +11,8 @@ from fixtures.browser import Screenshots
 from fixtures.team_stack import TeamStack
 from playwright.sync_api import Error, Page, expect
 
-pytestmark = pytest.mark.slow
+# The browser first: without one the tests skip before the team stack starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 
 def test_mlflow_ui_refuses_a_browser_without_credentials(team_stack: TeamStack, new_page: Callable[..., Page]) -> None:
