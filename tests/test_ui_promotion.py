@@ -1,6 +1,7 @@
 """Promotion as a person does it in the Prefect UI, on the challenger the UI-started pipeline run
 registered (tests/fixtures/ui_pipeline.py): the gate rejects it, the run ends in the "Rejected" state, and
-its decision names the failed check; the registry keeps its aliases."""
+its decision names the failed check; the registry keeps its aliases. An override without a reason is
+refused by the form, on the Reason field, and starts nothing; with a reason it moves `champion`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from fixtures.browser import Screenshots
 from fixtures.prefect_ui import (
     add_list_items,
+    flow_run_count,
+    form_field,
     log_in,
     open_custom_run,
     open_tab,
@@ -29,9 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 POLICY = "rlhf-policy"
 # No tiny policy's length-controlled win rate has a 95% lower bound this high: the gate must reject.
 STRICT_GATE = "promotion.min_lc_win_rate_low=0.99"
+REASON = "people preferred it in the human evaluation"
 
 
-def test_a_rejection_ends_as_rejected_naming_the_failed_check(
+def test_a_rejection_names_the_failed_check_and_an_override_needs_a_reason(
     ui_pipeline_run: UIPipelineRun,
     team_stack: TeamStack,
     mlflow_admin_client: MlflowClient,
@@ -58,3 +62,24 @@ def test_a_rejection_ends_as_rejected_naming_the_failed_check(
         state = client.read_flow_run(gated).state
     assert state.name == "Rejected" and "lc_win_rate_low" in state.message
     assert mlflow_admin_client.get_registered_model(POLICY).aliases == aliases_before
+
+    runs_before = flow_run_count(team_stack, "rlhf-promote")
+    open_custom_run(page, team_stack, "rlhf-promote")
+    add_list_items(page, "Config (Optional)", [TINY_OVERLAY])
+    add_list_items(page, "Overrides (Optional)", STEP_OVERRIDES)
+    form_field(page, "Override (Optional)").get_by_role("switch").click()
+    page.get_by_role("button", name="Submit").click()
+    # The form's rule (flows/promote.py: a reason with something other than white space) as the UI words it.
+    expect(form_field(page, "Reason (Optional)").get_by_text("does not match")).to_be_visible()
+    screenshots.take(page, "prefect-promotion-override-refused")
+    assert flow_run_count(team_stack, "rlhf-promote") == runs_before
+
+    form_field(page, "Reason (Optional)").get_by_role("textbox").fill(REASON)
+    overridden = submit_run(page)
+    wait_for_final_state(page)
+    expect(state_badge(page)).to_have_text("Completed")
+    with prefect_client(team_stack) as client:
+        assert client.read_flow_run(overridden).state.is_completed()
+    challenger = aliases_before["challenger"]
+    assert mlflow_admin_client.get_registered_model(POLICY).aliases["champion"] == challenger
+    assert REASON in mlflow_admin_client.get_model_version(POLICY, challenger).tags.values()
