@@ -2,6 +2,8 @@
 does not define its own copies (tests/project/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
+A real Chromium for the web-UI tests, and the one pipeline run they start in the Prefect UI:
+tests/fixtures/team/browser.py, tests/fixtures/team/ui_pipeline.py.
 Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,
 `PARAMS`, `TINY`, ...): tests/fixtures/paths.py.
 """
@@ -25,7 +27,14 @@ if TYPE_CHECKING:
     from fixtures.tiny_ppo import StageInputs
     from mlflow import MlflowClient
 
-pytest_plugins = ["fixtures.servers", "fixtures.infra_files"]
+pytest_plugins = [
+    "fixtures.servers",
+    "fixtures.infra_files",
+    "fixtures.team.team_stack",
+    "fixtures.team.browser",
+    "fixtures.team.ui_pipeline",
+    "fixtures.team.mlflow_ui",
+]
 
 
 @pytest.fixture(scope="module")

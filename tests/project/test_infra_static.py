@@ -133,7 +133,8 @@ def test_mlflow_image_copies_existing_files_and_pins_the_projects_mlflow() -> No
     build_args = dict(arg.split("=", 1) for arg in instruction_arguments(instructions, "ARG"))
     assert build_args["MLFLOW_VERSION"] == importlib.metadata.version("mlflow")
     install = " ".join(instruction_arguments(instructions, "RUN"))
-    assert '"mlflow[auth]==${MLFLOW_VERSION}"' in install and "psycopg2" in install and "boto3" in install
+    # psycopg 3: SQLAlchemy 2.1 opens postgresql:// URLs with it (psycopg2 alone fails at the server's start).
+    assert '"mlflow[auth]==${MLFLOW_VERSION}"' in install and '"psycopg[binary]' in install and "boto3" in install
     # `--app-name basic-auth` needs the `auth` extra (Flask-WTF); the project's own mlflow lacks it.
     assert "auth" in importlib.metadata.metadata("mlflow").get_all("Provides-Extra")
     assert "basic-auth" in {entry.name for entry in importlib.metadata.entry_points(group="mlflow.app")}
