@@ -13,7 +13,8 @@ and the targets (samples/s at least 4x TRL's on the tiny model and 2.5x on SmolL
 more peak memory). `--baseline-engine hf` also runs ours with that rollout engine in every round
 (before TRL) and checks the generation target: generation time per iteration at most half the
 baseline's. TRL runs with ours' C allocator settings (`--trl-host-allocator mirror`, the default; see
-ppo_throughput.py `--host-allocator`). Reports go to `--out` (default benchmarks/results/, git-ignored): `ours-<round>.json`,
+ppo_throughput.py `--host-allocator`). Reports go to `--out` (default benchmarks/results/, git-ignored):
+`ours-<round>.json`,
 `baseline-<round>.json`, `trl-<round>.json` and `comparison.json`.
 """
 
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +56,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="ours-then-TRL rounds; figures are medians")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON reports go")
     parser.add_argument("--trl-python", type=Path, default=TRL_PYTHON, help="the TRL venv's python")
@@ -66,7 +65,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--trl-host-allocator", choices=["mirror", "default"], default="mirror",
-        help="mirror: TRL runs with ours' C allocator settings (glibc malloc variables); default: with the C library's own",
+        help="mirror: TRL runs with ours' C allocator settings (glibc malloc variables); "
+        "default: with the C library's own",
     )  # fmt: skip
     args = parser.parse_args(own)
     if args.rounds < 1:
@@ -140,9 +140,7 @@ def check_targets(model: str, ratios: dict[str, float]) -> dict[str, Any]:
         result[key] = None if target is None else ratios[label] >= target
         print(f"\ntarget {label} ours/TRL {wanted}: {ratios[label]:.2f}x -> {result[key]}", end="")
     result["peak_memory_met"] = ratios["peak memory MiB"] <= 1.0
-    print(
-        f"\ntarget peak memory ours <= TRL: {ratios['peak memory MiB']:.2f}x -> {result['peak_memory_met']}"
-    )
+    print(f"\ntarget peak memory ours <= TRL: {ratios['peak memory MiB']:.2f}x -> {result['peak_memory_met']}")
     return result
 
 

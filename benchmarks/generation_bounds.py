@@ -143,19 +143,31 @@ def batch_sweep(
 
 def print_generation(section: dict[str, Any]) -> None:
     """The human-readable lines of `generation_section`."""
-    print(f"generation           engine {section['engine']} ({section['dtype']}), "
-          f"{100 * section['share_of_iteration']:.1f} % of the iteration")
-    print(f"  bandwidth          {section['memory_bandwidth_gbs']:.1f} GB/s measured; matmul "
-          f"{section['matmul_gflops']:.0f} GFLOP/s; {section['weight_bytes'] / 1e9:.3f} GB of weights per step")
-    print(f"  decode step bound  {1e3 * section['decode_step_s']:.1f} ms (memory "
-          f"{1e3 * section['decode_step_bandwidth_s']:.1f} ms, "
-          f"compute {1e3 * section['decode_step_compute_s']:.1f} ms); "
-          f"prefill bound {section['prefill_s']:.2f} s")
-    print(f"  per rollout        {section['measured_generate_s']:.2f} s measured, {section['generate_s']:.2f} s bound "
-          f"({100 * section['bound_over_measured']:.0f} % of the bound's speed)")
-    print(f"  tokens/s           {section['measured_tokens_per_s']:.1f} measured, "
-          f"{section['bound_generate_tokens_per_s']:.1f} at the bound")
+    print(
+        f"generation           engine {section['engine']} ({section['dtype']}), "
+        f"{100 * section['share_of_iteration']:.1f} % of the iteration"
+    )
+    print(
+        f"  bandwidth          {section['memory_bandwidth_gbs']:.1f} GB/s measured; matmul "
+        f"{section['matmul_gflops']:.0f} GFLOP/s; {section['weight_bytes'] / 1e9:.3f} GB of weights per step"
+    )
+    print(
+        f"  decode step bound  {1e3 * section['decode_step_s']:.1f} ms (memory "
+        f"{1e3 * section['decode_step_bandwidth_s']:.1f} ms, "
+        f"compute {1e3 * section['decode_step_compute_s']:.1f} ms); "
+        f"prefill bound {section['prefill_s']:.2f} s"
+    )
+    print(
+        f"  per rollout        {section['measured_generate_s']:.2f} s measured, {section['generate_s']:.2f} s bound "
+        f"({100 * section['bound_over_measured']:.0f} % of the bound's speed)"
+    )
+    print(
+        f"  tokens/s           {section['measured_tokens_per_s']:.1f} measured, "
+        f"{section['bound_generate_tokens_per_s']:.1f} at the bound"
+    )
     for row in section["sweep"]:
-        print(f"  sweep batch {row['batch_size']:<4}   {row['replies_per_s']:.2f} replies/s, "
-              f"{row['measured_tokens_per_s']:.1f} tokens/s "
-              f"({100 * row['bound_over_measured']:.0f} % of the bound's speed)")
+        print(
+            f"  sweep batch {row['batch_size']:<4}   {row['replies_per_s']:.2f} replies/s, "
+            f"{row['measured_tokens_per_s']:.1f} tokens/s "
+            f"({100 * row['bound_over_measured']:.0f} % of the bound's speed)"
+        )

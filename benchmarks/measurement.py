@@ -144,9 +144,7 @@ def peak_memory(device: torch.device, window: MemoryWindow) -> dict[str, Any]:
     else:
         compared, what = process_rss, "peak RSS of the whole process (model loading included)"
     growth = (
-        window_rss - window.rss_start_bytes
-        if window_rss is not None and window.rss_start_bytes is not None
-        else None
+        window_rss - window.rss_start_bytes if window_rss is not None and window.rss_start_bytes is not None else None
     )
     return {
         "peak_memory_bytes": compared,

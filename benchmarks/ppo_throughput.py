@@ -83,9 +83,7 @@ def batch_sizes(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=[], type=Path, help="overlay (repeatable)")
     parser.add_argument("--model", choices=["tiny", "smollm2"], help="model.kind (default: the config's)")
     parser.add_argument("--iterations", type=int, default=3, help="measured PPO iterations")
@@ -94,9 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mini-batch-size", type=int, help="ppo.mini_batch_size (rows per optimizer step)")
     parser.add_argument("--micro-batch-size", type=int, help="ppo.micro_batch_size (rows per forward pass)")
     parser.add_argument("--prompt-length", type=int, help="tokens per prompt (ppo.max_prompt_tokens)")
-    parser.add_argument(
-        "--response-length", type=int, help="tokens per response (ppo.rollout.max_new_tokens)"
-    )
+    parser.add_argument("--response-length", type=int, help="tokens per response (ppo.rollout.max_new_tokens)")
     parser.add_argument(
         "--scoring-batch-size", type=int, help="ppo.scoring_batch_size (rows per no-grad scoring pass; default: "
         "the rollout batch, as TRL's local_rollout_forward_batch_size is set on its side)",
@@ -250,9 +246,7 @@ class Measurement:
     memory: dict[str, Any]
 
 
-def run_iteration(
-    trainer: PPOTrainer, step: int, device: torch.device, expected_tokens: int
-) -> IterationTimes:
+def run_iteration(trainer: PPOTrainer, step: int, device: torch.device, expected_tokens: int) -> IterationTimes:
     """One PPO iteration, timed: generation and scoring as the trainer logs them, training as the
     whole `learn` call, other as the rest of the rollout (experience assembly and monitors)."""
     started = time.perf_counter()
@@ -287,8 +281,7 @@ def measure(
     window = start_memory_window(device)
     started, cpu_started = time.perf_counter(), time.process_time()
     times = [
-        run_iteration(trainer, step, device, expected_tokens)
-        for step in range(warmup + 1, warmup + iterations + 1)
+        run_iteration(trainer, step, device, expected_tokens) for step in range(warmup + 1, warmup + iterations + 1)
     ]
     synchronize(device)
     wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started

@@ -81,7 +81,9 @@ def main() -> None:
     residual = residual_correlation(first.ravel(), second.ravel(), log_length.ravel())
     print(f"score correlation beyond log length: {residual:.3f} (95% CI {low:.3f}-{high:.3f})")
     print(f"margins agree in sign: all pairs {rate(agree)}; length-matched {rate(agree[matched])}")
-    print(f"length-matched accuracy: first {rate(margins_first[matched] > 0)}; second {rate(margins_second[matched] > 0)}")
+    print(
+        f"length-matched accuracy: first {rate(margins_first[matched] > 0)}; second {rate(margins_second[matched] > 0)}"
+    )
 
 
 if __name__ == "__main__":

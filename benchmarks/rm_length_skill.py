@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
+from rlhf_core.layout import MODEL_DIR
 from rlhf_core.reward.length_metrics import LengthSkill, length_skill
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
-from rlhf_core.layout import MODEL_DIR
 
 HEADER = (
     "| reward model | pairs | accuracy | length rule | balanced | chosen shorter / longer | length-matched (n, 95% CI) "
@@ -103,13 +103,18 @@ def ensemble_skill(out_dirs: list[Path]) -> tuple[LengthSkill, float, int]:
 
 def table_row(name: str, skill: LengthSkill, accuracy: float, pairs: int) -> str:
     """One markdown row (figures undefined for these pairs shown as n/a)."""
+
     def value(figure: float | None) -> str:
         return "n/a" if figure is None else f"{figure:.3f}"
 
     shorter = skill.chosen_shorter.accuracy if skill.chosen_shorter else None
     longer = skill.chosen_longer.accuracy if skill.chosen_longer else None
     matched = skill.length_matched
-    matched_text = "n/a" if matched is None else f"{matched.accuracy:.3f} ({skill.length_matched_pairs}, {matched.low:.3f}-{matched.high:.3f})"
+    matched_text = (
+        "n/a"
+        if matched is None
+        else f"{matched.accuracy:.3f} ({skill.length_matched_pairs}, {matched.low:.3f}-{matched.high:.3f})"
+    )
     gain = skill.auc
     gain_text = f"{gain.gain:+.3f}" + ("" if gain.low is None else f" ({gain.low:+.3f} to {gain.high:+.3f})")
     spearman = "n/a" if skill.reward_length_spearman is None else f"{skill.reward_length_spearman:+.2f}"
@@ -122,9 +127,7 @@ def table_row(name: str, skill: LengthSkill, accuracy: float, pairs: int) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dirs", nargs="+", type=Path, help="train-rm or judge-rm output directories")
-    parser.add_argument(
-        "--ensemble", action="store_true", help="add a row for the directories' models as one ensemble"
-    )
+    parser.add_argument("--ensemble", action="store_true", help="add a row for the directories' models as one ensemble")
     arguments = parser.parse_args()
     print(HEADER)
     for out_dir in arguments.out_dirs:

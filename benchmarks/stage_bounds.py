@@ -145,7 +145,9 @@ def format_table(rows: list[StageBound]) -> list[str]:
     summed = [row for row in rows if row.measured_minutes is not None]
     bound_sum, measured_sum = sum(r.bound_minutes for r in summed), sum(r.measured_minutes or 0.0 for r in summed)
     if summed:
-        lines.append(f"| measured stages | | | | {bound_sum:.2f} | {measured_sum:.1f} | {measured_sum / bound_sum:.1f}x |")
+        lines.append(
+            f"| measured stages | | | | {bound_sum:.2f} | {measured_sum:.1f} | {measured_sum / bound_sum:.1f}x |"
+        )
     return lines
 
 
@@ -175,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     minutes = {stage: measured_minutes(args.run_dir / stage) for stage in STAGES[:4]}
     minutes["eval"] = measured_minutes(eval_dir)
     rows = bounds(works, shape, gflops, args.bandwidth_gbs, minutes)
-    print(f"decode steps at {args.bandwidth_gbs:.1f} GB/s over {shape.weight_bytes / 1e9:.3f} GB of weights; "
-          f"{shape.matmul_parameters / 1e6:.1f} M matmul parameters")
+    print(
+        f"decode steps at {args.bandwidth_gbs:.1f} GB/s over {shape.weight_bytes / 1e9:.3f} GB of weights; "
+        f"{shape.matmul_parameters / 1e6:.1f} M matmul parameters"
+    )
     print("\n".join(format_table(rows)))
     gap = largest_gap(rows)
     if gap is not None:

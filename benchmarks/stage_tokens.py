@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.data.prepare import load_split
 from rlhf_core.evaluation.prompts import evaluation_prompts
-from rlhf_core.models.chat import EncodedConversation, encode_conversation, encode_prompt
+from rlhf_core.models.chat import EncodedConversation, encode_prompt
 from rlhf_core.ppo.scoring import chunks
 from rlhf_core.reward.batch import EncodedPair, encode_pairs, padded_pair_length
 from rlhf_core.sft.batch import encode_examples, evaluation_chunks
@@ -63,7 +63,9 @@ def sft_work(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir: Pa
     pairs = heldout_pairs(data_dir)
     heldout = encode_examples(tokenizer, [(p.prompt, p.chosen) for p in pairs], settings["max_length"]).encoded
     batches = [[heldout[i] for i in chunk] for chunk in evaluation_chunks(len(heldout), size, seed)]
-    counts = [len(batches)] + validation_batch_counts(steps, settings["eval_every"], settings["eval_batches"], len(batches))
+    counts = [len(batches)] + validation_batch_counts(
+        steps, settings["eval_every"], settings["eval_batches"], len(batches)
+    )
     works += [lm_batch(shape, batch, shape.layers) for count in counts for batch in batches[:count]]
     return total(works)
 
@@ -110,7 +112,10 @@ def reward_work(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, data_dir:
     works += [pair_batch(shape, batch, blocks, lm) for count in counts for batch in val_batches[:count]]
     seen = {i for micro in micros for i in micro}
     if settings["length_debias"] == "length_residual":  # the selected head scores every training pair
-        works += [pair_batch(shape, [train[i] for i in chunk], blocks, False) for chunk in evaluation_chunks(len(train), size, seed)]
+        works += [
+            pair_batch(shape, [train[i] for i in chunk], blocks, False)
+            for chunk in evaluation_chunks(len(train), size, seed)
+        ]
         seen = set(range(len(train)))
     if cached:
         sequences = [pair.chosen for pair in val] + [pair.rejected for pair in val]
@@ -142,7 +147,9 @@ def rollout_work(
     return work
 
 
-def update_work(shape: ModelShape, prompt_lengths: list[int], steps: int, reply_tokens: int, ppo: Params, policy: bool) -> Work:
+def update_work(
+    shape: ModelShape, prompt_lengths: list[int], steps: int, reply_tokens: int, ppo: Params, policy: bool
+) -> Work:
     """The update of one rollout: `ppo_epochs` passes over its rows in micro-batches, the critic forward
     and backward and, after critic pretraining, the policy's (LM head over the response). Mini-batches are
     shuffled, so each micro-batch is taken as padded to the rollout's widest prompt (an upper estimate)."""
@@ -176,7 +183,9 @@ def ppo_work(
     upper = ppo["trainable_top_layers"] or shape.layers
     rows, new = ppo["rollout_batch_size"], ppo["rollout"]["max_new_tokens"]
     scoring_rows = ppo["scoring_batch_size"] or ppo["micro_batch_size"]
-    prompts = [encode_prompt(tokenizer, p.prompt, ppo["max_prompt_tokens"]) for p in load_split(data_dir, "ppo_prompts")]
+    prompts = [
+        encode_prompt(tokenizer, p.prompt, ppo["max_prompt_tokens"]) for p in load_split(data_dir, "ppo_prompts")
+    ]
     plan = fixed_size_plan(len(prompts), seed, rows, 1)
     iterations = [record for record in history if "time/generate_s" in record]
     works = []
@@ -186,7 +195,10 @@ def ppo_work(
         steps, replies = decode_length(record, new), int(record["rollout/generated_tokens"])
         works.append(rollout_work(shape, lengths, steps, replies, scoring_rows, upper, False))
         works.append(update_work(shape, lengths, steps, replies, ppo, policy=index + 1 > critic_only))
-    val = sorted(len(encode_prompt(tokenizer, p.prompt, ppo["max_prompt_tokens"])) for p in load_split(data_dir, "ppo_val_prompts"))
+    val = sorted(
+        len(encode_prompt(tokenizer, p.prompt, ppo["max_prompt_tokens"]))
+        for p in load_split(data_dir, "ppo_val_prompts")
+    )
     for record in (r for r in history if "val/prompts" in r):
         for chunk in chunks(len(val), rows):
             lengths = val[chunk]

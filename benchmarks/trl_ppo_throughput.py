@@ -89,9 +89,7 @@ NO_VALUE_CLIP = 1e9  # TRL always clips the value loss; a huge range when ours d
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", type=Path, required=True, help="a ppo_throughput.py --json report")
     parser.add_argument("--peak-tflops", type=float, help="accelerator peak TFLOP/s, for the MFU figure")
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
@@ -103,9 +101,7 @@ def read_settings(path: Path) -> tuple[dict[str, Any], str]:
     report = json.loads(path.read_text(encoding="utf-8"))
     settings = report["settings"]
     if settings["ptx_coef"]:
-        raise ValueError(
-            f"{path}: ptx_coef={settings['ptx_coef']}; TRL's PPO has no PPO-ptx term to mirror it"
-        )
+        raise ValueError(f"{path}: ptx_coef={settings['ptx_coef']}; TRL's PPO has no PPO-ptx term to mirror it")
     if settings["lora"]:
         raise ValueError(f"{path}: LoRA is on; this comparison mirrors full fine-tuning only")
     return settings, report["prompt_fingerprint"]
@@ -317,9 +313,7 @@ def glibc_allocator_environment() -> dict[str, str] | str:
     return {name: os.environ[name] for name in names if name in os.environ} or "default"
 
 
-def trl_settings(
-    settings: dict[str, Any], args: PPOConfig, tokenizer: PreTrainedTokenizerBase
-) -> dict[str, Any]:
+def trl_settings(settings: dict[str, Any], args: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Our settings as TRL resolved them (read back from its config after the trainer computed its
     batch sizes), so the side-by-side table shows what each side actually ran."""
     return {
@@ -369,14 +363,10 @@ def checked_prompt_ids(
     """The benchmark prompts' token ids, refused unless they are our run's (same fingerprint) and free of
     the pad token, which TRL would mask."""
     length = settings["prompt_length"]
-    prompts = benchmark_prompts(
-        tokenizer, settings["data"], settings["prompt_count"], length, settings["seed"]
-    )
+    prompts = benchmark_prompts(tokenizer, settings["data"], settings["prompt_count"], length, settings["seed"])
     prompt_ids = [encode_prompt_ids(tokenizer, prompt.messages, length) for prompt in prompts]
     if fingerprint(prompt_ids) != our_fingerprint:
-        raise ValueError(
-            "the prompts differ from our run's (fingerprint mismatch): not a like-for-like comparison"
-        )
+        raise ValueError("the prompts differ from our run's (fingerprint mismatch): not a like-for-like comparison")
     if any(tokenizer.pad_token_id in ids for ids in prompt_ids):
         raise ValueError(f"a prompt contains the pad token {tokenizer.pad_token}, which TRL would mask")
     return prompt_ids
@@ -412,9 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.remove_callback(PrinterCallback)  # it would print TRL's metrics every iteration
         trainer.train()
     if len(clock.iterations) != settings["iterations"] or clock.memory_window is None:
-        raise RuntimeError(
-            f"measured {len(clock.iterations)} TRL iterations, expected {settings['iterations']}"
-        )
+        raise RuntimeError(f"measured {len(clock.iterations)} TRL iterations, expected {settings['iterations']}")
     resolved = {key: _json_value(getattr(trainer.args, key)) for key in TRL_CONFIG_KEYS}
     report = throughput_report(
         implementation=f"trl {trl.__version__}",

@@ -46,6 +46,8 @@ from rlhf_core.ablation.grid import (
     read_grid,
 )
 from rlhf_core.config import Config
+from rlhf_core.stage_outputs import StageOutput
+from tasks.ablation.base import AblationBase, BaseReference, resolve_base
 from tasks.ablation.variant_tasks import (
     REMOTE_STAGE,
     VariantOutcome,
@@ -54,18 +56,16 @@ from tasks.ablation.variant_tasks import (
     upload_base_task,
     variant_files,
 )
-from tasks.ablation.base import AblationBase, BaseReference, resolve_base
 from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec
-from tasks.tracking.lineage import code_tags, flow_run_tags
-from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
-from rlhf_core.stage_outputs import StageOutput
-from tasks.services.probes import check_services
+from tasks.execution.transfer import join_uri
 from tasks.preflight import stage_store_services, tracking_services
+from tasks.services.probes import check_services
 from tasks.stages.remote import RemoteStages
 from tasks.stages.stage_runs import StageContext
 from tasks.stages.stage_tasks import train_judge_reward
+from tasks.tracking.lineage import code_tags, flow_run_tags
 from tasks.tracking.metrics_logger import resolve_tracking_uri
-from tasks.execution.transfer import join_uri
+from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 
 FLOW_NAME = "rlhf-ablation"
 FLOW_TAG = "rlhf.flow"
@@ -151,7 +151,11 @@ class AblationResult(BaseModel):
 def resolve_base_task(reference: BaseReference, config: Config, tracking_uri: str, cache_dir: Path) -> AblationBase:
     """The base's inputs, found and hashed (tasks/ablation/base.py)."""
     return resolve_base(
-        reference, tracking_uri, config.tracking.experiment, config.tracking.reward_model_name, cache_dir / REGISTRY_CACHE_SUBDIR
+        reference,
+        tracking_uri,
+        config.tracking.experiment,
+        config.tracking.reward_model_name,
+        cache_dir / REGISTRY_CACHE_SUBDIR,
     )
 
 
@@ -168,7 +172,10 @@ def judge_line(judge: JudgeSpec) -> str:
     if judge.kind == "llm":
         return f"judge: the LLM {judge.llm_model}"
     assert judge.reward is not None  # a reward-model judge
-    return f"judge: the reward model `{judge.reward.out_dir}` (sha256 {judge.reward.sha256[:12]}; the report says if it is in-sample)"
+    return (
+        f"judge: the reward model `{judge.reward.out_dir}` (sha256 {judge.reward.sha256[:12]}; "
+        "the report says if it is in-sample)"
+    )
 
 
 def open_ablation_run(plan: AblationPlan, base: AblationBase, run_dir: Path, project_dir: Path) -> TrackingTarget:
@@ -181,7 +188,9 @@ def open_ablation_run(plan: AblationPlan, base: AblationBase, run_dir: Path, pro
         "ablation.grid": plan.grid.name,
         "ablation.variants": ",".join(variant.name for variant in plan.variants),
     }
-    return open_pipeline_run(plan.base_config, project_dir, run_name=f"ablation-{plan.grid.name}-{run_dir.name}", tags=tags)
+    return open_pipeline_run(
+        plan.base_config, project_dir, run_name=f"ablation-{plan.grid.name}-{run_dir.name}", tags=tags
+    )
 
 
 def record_variants(tracking: TrackingTarget, outcomes: list[VariantOutcome]) -> None:
@@ -198,14 +207,21 @@ def record_variants(tracking: TrackingTarget, outcomes: list[VariantOutcome]) ->
 
 
 def run_ablation(
-    plan: AblationPlan, base: AblationBase, run_dir: Path, cache_dir: Path, tracking: TrackingTarget, remote: RemoteStages
+    plan: AblationPlan,
+    base: AblationBase,
+    run_dir: Path,
+    cache_dir: Path,
+    tracking: TrackingTarget,
+    remote: RemoteStages,
 ) -> tuple[list[VariantOutcome], list[ComparisonRow]]:
     """Steps 4-6 of the module docstring, inside the parent run."""
     data_tags = base.data_tags()
     context = StageContext(run_dir=run_dir, cache_dir=cache_dir, tracking=tracking, data_tags=data_tags)
     judge = choose_judge(plan.base_config, base, context)
     contexts = {
-        variant.name: StageContext(run_dir=run_dir / variant.name, cache_dir=cache_dir, tracking=tracking, data_tags=data_tags)
+        variant.name: StageContext(
+            run_dir=run_dir / variant.name, cache_dir=cache_dir, tracking=tracking, data_tags=data_tags
+        )
         for variant in plan.variants
     }
     uploaded: dict[str, str] = {}
@@ -226,14 +242,25 @@ def rlhf_ablation(settings: AblationSettings = DEFAULT_SETTINGS) -> AblationResu
     project_dir = Path.cwd()
     plan = settings.plan()
     config = plan.base_config
-    check_services([*tracking_services(config.tracking.tracking_uri, project_dir), *stage_store_services(bool(settings.remote.stages))])
+    check_services(
+        [
+            *tracking_services(config.tracking.tracking_uri, project_dir),
+            *stage_store_services(bool(settings.remote.stages)),
+        ]
+    )
     runs_dir = Path(settings.runs_dir).resolve()
     cache_dir = runs_dir / CACHE_DIR_NAME
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri, project_dir)
     base = resolve_base_task(settings.reference(), config, tracking_uri, cache_dir)
     run_dir = run_directory(runs_dir / ABLATIONS_SUBDIR)
     tracking = open_ablation_run(plan, base, run_dir, project_dir)
-    logger.info("ablation %s: %d variants in %s, MLflow run %s", plan.grid.name, len(plan.variants), run_dir, tracking.parent_run_id)
+    logger.info(
+        "ablation %s: %d variants in %s, MLflow run %s",
+        plan.grid.name,
+        len(plan.variants),
+        run_dir,
+        tracking.parent_run_id,
+    )
     try:
         settings.remote.check_tracking(tracking.tracking_uri)
         outcomes, rows = run_ablation(plan, base, run_dir, cache_dir, tracking, settings.remote)

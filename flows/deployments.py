@@ -107,7 +107,9 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         name="rlhf-ablation",
         flow=rlhf_ablation,
         entrypoint="flows/ablation.py:rlhf_ablation",
-        description="PPO once per variant of a grid (vanilla, PPO-max, its switches) on one base; evaluated and compared.",
+        description=(
+            "PPO once per variant of a grid (vanilla, PPO-max, its switches) on one base; evaluated and compared."
+        ),
     ),
     DeploymentSpec(
         name=STAGE_DEPLOYMENT_NAME,
@@ -132,4 +134,3 @@ def runner_deployment(spec: DeploymentSpec) -> RunnerDeployment:
         triggers=[trigger.model_copy(deep=True) for trigger in spec.triggers],  # applying one sets its deployment
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-

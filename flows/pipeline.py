@@ -33,7 +33,7 @@ directory of the process running the flow (`rlhf run`, or `rlhf serve` started i
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from logging import Logger, LoggerAdapter
 from pathlib import Path
@@ -49,22 +49,22 @@ from flows.stage_branch import BesideStage
 from flows.stage_clock import StageClock
 from flows.stop_signals import signal_name, stop_signal
 from rlhf_core.config import Config, load_config
-from tasks.execution.caching import with_cache_dir
-from tasks.execution.concurrency import shared_training_slot
-from tasks.execution.core_share import branch, core_shares, stage_threads
+from rlhf_core.stage_outputs import StageOutput
 from tasks.data.data_source import DataSource, resolve_data_source, with_data_source
 from tasks.evaluation.evaluate_task import evaluate_task, evaluation_summary, evaluation_tags, judge_spec
 from tasks.evaluation.identical_evaluation import identical_models_reason, models_identical, skip_identical_evaluation
-from tasks.tracking.lineage import data_tags, pipeline_tags
-from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
-from rlhf_core.stage_outputs import StageOutput
-from tasks.services.probes import check_services
+from tasks.execution.caching import with_cache_dir
+from tasks.execution.concurrency import shared_training_slot
+from tasks.execution.core_share import branch, core_shares, stage_threads
 from tasks.preflight import stage_store_services, tracking_services
 from tasks.registry.registered_models import RegisteredVersion, lineage_output_tags
-from tasks.stages.remote import RemoteStages, run_training_stage
+from tasks.services.probes import check_services
 from tasks.stages.registration import register_task
+from tasks.stages.remote import RemoteStages, run_training_stage
 from tasks.stages.stage_runs import StageContext
 from tasks.stages.stage_tasks import ppo_task, prepare_data_task, reward_task, sft_task, train_judge_reward
+from tasks.tracking.lineage import data_tags, pipeline_tags
+from tasks.tracking.mlflow_runs import TrackingTarget, close_run, open_pipeline_run
 
 CACHE_DIR_NAME = ".cache"
 RUN_ID_CHARS = 8
@@ -173,7 +173,7 @@ def run_directory(runs_dir: Path) -> Path:
     context = FlowRunContext.get()
     if context is None or context.flow_run is None:
         raise RuntimeError("run_directory must be called inside a flow run")
-    created = context.flow_run.created or datetime.now(timezone.utc)
+    created = context.flow_run.created or datetime.now(UTC)
     return runs_dir / f"{created:%Y%m%d-%H%M%S}-{context.flow_run.id.hex[-RUN_ID_CHARS:]}"
 
 
@@ -254,7 +254,8 @@ def run_training_stages(
 ) -> None:
     """SFT then the reward model on the main line, and the judge reward model, which needs only the prepared
     data, beside them in its own process (flows/stage_branch.py), the cores split between the two
-    (tasks/execution/core_share.py) and the machine's training slot shared (tasks/execution/concurrency.py). Either side's
+    (tasks/execution/core_share.py) and the machine's training slot shared (tasks/execution/concurrency.py). Either
+    side's
     failure fails the run with its error, and the other side is stopped; the outputs go into `outputs`."""
     judge_wanted = Stage.JUDGE_REWARD in selected and config.evaluation.trains_judge_rm
     if not judge_wanted or Stage.SFT not in selected:  # nothing to overlap: one after another
@@ -294,7 +295,8 @@ def run_main_line(
     check: Callable[[], None],
 ) -> None:
     """SFT and the reward model, in order, as selected, each on the main line's share of the threads as it
-    starts (tasks/execution/core_share.py); `check` (did the stage beside fail?) before each stage and after the last."""
+    starts (tasks/execution/core_share.py); `check` (did the stage beside fail?) before each stage and after the
+    last."""
     if Stage.SFT in selected:
         check()
         clock.start(Stage.SFT.value)

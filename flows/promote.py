@@ -44,11 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.config import Config, load_config
 from rlhf_core.layout import RUNS_DIR
-from tasks.execution.caching import with_cache_dir
+from rlhf_core.promotion.evidence import Evidence, evaluation_evidence, identical_models_evidence
 from tasks.evaluation.evaluate_task import evaluate_task
-from tasks.tracking.lineage import flow_run_tags
-from tasks.tracking.mlflow_runs import close_run, open_pipeline_run
-from tasks.services.probes import check_services
+from tasks.execution.caching import with_cache_dir
 from tasks.preflight import tracking_services
 from tasks.promotion.promote_tasks import (
     EvaluationInputs,
@@ -58,9 +56,11 @@ from tasks.promotion.promote_tasks import (
     find_candidates_task,
     rollback_task,
 )
-from rlhf_core.promotion.evidence import Evidence, evaluation_evidence, identical_models_evidence
+from tasks.services.probes import check_services
 from tasks.stages.stage_runs import StageContext
+from tasks.tracking.lineage import flow_run_tags
 from tasks.tracking.metrics_logger import resolve_tracking_uri
+from tasks.tracking.mlflow_runs import close_run, open_pipeline_run
 
 FLOW_TAG = "rlhf.flow"
 # The Completed state a refusal ends in is named after it; other decisions end in the plain "Completed".

@@ -24,12 +24,12 @@ from prefect import Task, flow, get_run_logger
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.layout import RUNS_DIR, stage_output_dir
-from tasks.execution.caching import with_cache_dir
 from rlhf_core.stage_outputs import StageOutput
+from tasks.execution.caching import with_cache_dir
+from tasks.execution.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
 from tasks.stages.remote import STAGE_FLOW_NAME, StageRequest
 from tasks.stages.stage_runs import StageContext
 from tasks.stages.stage_tasks import ppo_task, reward_task, sft_task
-from tasks.execution.transfer import StoredOutput, download_output, ensure_uploaded, read_stored, s3_client
 
 STAGE_TASKS: dict[str, Task[..., StageOutput]] = {"sft": sft_task, "reward": reward_task, "ppo": ppo_task}
 

@@ -28,9 +28,9 @@ from flows.pipeline import PipelineResult, PipelineSettings, rlhf_pipeline
 from flows.promote import PromoteSettings, rlhf_promote
 from flows.run_settings import RunSettings
 from tasks.data import dvc_data
-from tasks.services.probes import check_services
 from tasks.preflight import dvc_remote_services
 from tasks.promotion.promote_tasks import PromotionResult
+from tasks.services.probes import check_services
 
 PULL_RETRIES = 2
 PULL_RETRY_DELAY_SECONDS = 30

@@ -3,7 +3,8 @@
 This is Prefect's `serve` (a `Runner` that registers the deployments and runs their flow runs) with
 one difference: a bound on shutdown. On SIGINT or SIGTERM Prefect shuts down gracefully, pausing the
 deployments' schedules and cancelling the flow runs in flight through the Prefect API; with that server
-gone, each call is retried with backoff, and the process outlived the signal by more than 20 s. Here the graceful shutdown gets SHUTDOWN_GRACE_S; past that the process says so in one
+gone, each call is retried with backoff, and the process outlived the signal by more than 20 s. Here the graceful
+shutdown gets SHUTDOWN_GRACE_S; past that the process says so in one
 line and exits, so `rlhf serve` stops within 5 s of the signal whatever the server does
 (tests/cli/test_serve_signals.py, with a real server and process). A shutdown that finishes in time runs
 the exit handlers and then skips the interpreter's slow teardown (flows/stop_signals.py, shared with

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from flows.failed_stage import mark_failed_stage
 from flows.stage_clock import StageClock
-from tasks.execution.core_share import CoreShare, branch
 from rlhf_core.stage_outputs import StageOutput
+from tasks.execution.core_share import CoreShare, branch
 
 # How long `stop` waits for the stage beside to end. Its launched process ends within a poll of the stop
 # (rlhf_core/distributed/launcher.py); what the stage does after its launch (its metrics to MLflow, its task

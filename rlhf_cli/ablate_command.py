@@ -16,28 +16,45 @@ rlhf_cli/in_process.py) and tracks to MLflow; the command ends by printing where
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from rlhf_cli.in_process import flow_here
 from rlhf_cli.options import ConfigOption, ParamsOption, RunsDirOption, SetOption
 from rlhf_core.layout import RUNS_DIR
-GridOption = Annotated[Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")]
+
+GridOption = Annotated[
+    Path, typer.Option("--grid", metavar="FILE", help="The grid file: named variants (configs/ablations/*.yaml).")
+]
 BaseOption = Annotated[
-    Optional[str],
-    typer.Option("--base", metavar="RUN", help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI."),
+    str | None,
+    typer.Option(
+        "--base",
+        metavar="RUN",
+        help="A pipeline run: its directory (runs/<id>), MLflow run id, or a policy's models:/ URI.",
+    ),
 ]
 VariantOption = Annotated[
-    Optional[list[str]], typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable).")
+    list[str] | None,
+    typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable)."),
 ]
-InputOption = Annotated[Optional[str], typer.Option(metavar="DIR", help="This input instead of the base's (a stage output directory).")]
+InputOption = Annotated[
+    str | None, typer.Option(metavar="DIR", help="This input instead of the base's (a stage output directory).")
+]
 JudgeOption = Annotated[
-    Optional[str], typer.Option("--judge", metavar="MODEL", help="Judge reward model instead of the base's (directory or models:/ URI).")
+    str | None,
+    typer.Option(
+        "--judge", metavar="MODEL", help="Judge reward model instead of the base's (directory or models:/ URI)."
+    ),
 ]
 RemoteStoreOption = Annotated[
-    Optional[str],
-    typer.Option("--remote-store", metavar="S3_PREFIX", help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix."),
+    str | None,
+    typer.Option(
+        "--remote-store",
+        metavar="S3_PREFIX",
+        help="Run the variants on the GPU pool (rlhf-stage deployment), files via this s3:// prefix.",
+    ),
 ]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -29,8 +29,8 @@ from rlhf_cli.options import HELP_FORMAT, ConfigOption, ParamsOption, SetOption,
 from rlhf_core.config import Config
 from tasks.data.data_events import DATA_PUSHED_EVENT, emit_data_pushed
 from tasks.data.dvc_data import DvcError, dvc_add, dvc_file, dvc_push, raw_data_status, workspace_matches
-from tasks.services.probes import check_services
 from tasks.preflight import dvc_remote_services, prefect_api_services
+from tasks.services.probes import check_services
 
 if TYPE_CHECKING:
     from rlhf_core.data.versioning import NewFileReport
@@ -42,7 +42,9 @@ class RawDataMismatchError(RuntimeError):
     """The raw data on disk is not the version its .dvc file records (not pulled yet, or edited)."""
 
 
-data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_FORMAT, help="Version the raw preference data with DVC (data/raw).")
+data_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode=HELP_FORMAT, help="Version the raw preference data with DVC (data/raw)."
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ def add_preference_file(
     file is rejected, nor while another process adds to `raw_dir` (the output lock,
     rlhf_core/output_lock.py: two merges at once would lose one or make one version of both). If `dvc
     add` fails the copied file is removed again, so the raw data still matches its .dvc file; if only
-    the push fails, the new version is complete locally and the error says how to push it. With `push`, the DVC remote and the Prefect API are checked before anything else, and a
+    the push fails, the new version is complete locally and the error says how to push it. With `push`, the DVC remote
+    and the Prefect API are checked before anything else, and a
     pushed version is announced by the `rlhf.data.pushed` event (when a Prefect API is configured).
     """
     from rlhf_core.data.versioning import check_new_file, merge_into_raw
@@ -139,14 +142,16 @@ def add(
     # Described in the docstring, not in an Arguments section: that section would print a type tag.
     file: Annotated[Path, typer.Argument(metavar="FILE", hidden=True)],
     remote: Annotated[
-        Optional[str], typer.Option("--remote", "-r", metavar="NAME", help="DVC remote to push to (default: core.remote).")
+        str | None,
+        typer.Option("--remote", "-r", metavar="NAME", help="DVC remote to push to (default: core.remote)."),
     ] = None,
     push: Annotated[bool, typer.Option("--push/--no-push", help="Push the new version to the remote.")] = True,
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: Annotated[
-        Optional[Path], typer.Option("--out", metavar="DIR", help="The DVC-tracked raw data directory (default data/raw).")
+        Path | None,
+        typer.Option("--out", metavar="DIR", help="The DVC-tracked raw data directory (default data/raw)."),
     ] = None,
 ) -> None:
     """Validate a preference file, merge it into the raw data, dvc add + push it, print the data version.

@@ -27,7 +27,7 @@ command says so and stops. The stage is imported inside the command so `rlhf --h
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -103,8 +103,8 @@ def check_registry_reachable(references: tuple[str, ...], config: Config) -> Non
     """When any reference is a `models:/` URI, check the registry's server answers, so an unreachable one
     fails in seconds rather than inside a download."""
     if any(reference.startswith(MODELS_URI_PREFIX) for reference in references):
-        from tasks.services.probes import check_services
         from tasks.preflight import tracking_services
+        from tasks.services.probes import check_services
 
         check_services(tracking_services(config.tracking.tracking_uri, Path.cwd()))
 
@@ -130,16 +130,18 @@ def eval_inputs(
 
 
 ModelAOption = Annotated[
-    str, typer.Option("--a", metavar="MODEL", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS).")
+    str,
+    typer.Option("--a", metavar="MODEL", help="Model A, under evaluation (e.g. artifacts/ppo, models:/NAME@ALIAS)."),
 ]
 ModelBOption = Annotated[
     str, typer.Option("--b", metavar="MODEL", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")
 ]
 JudgeOption = Annotated[
-    Optional[str], typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml).")
+    str | None,
+    typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml)."),
 ]
 JudgeRmOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--rm-dir",
         metavar="MODEL",
@@ -159,11 +161,13 @@ AllowSameOption = Annotated[
     bool, typer.Option("--allow-same", help="Evaluate even when A and B are the same model by content (all ties).")
 ]
 AgreeWithOption = Annotated[
-    Optional[list[Path]],
-    typer.Option("--agree-with", metavar="FILE", help="verdicts.jsonl of another judge on the same pairs (repeatable)."),
+    list[Path] | None,
+    typer.Option(
+        "--agree-with", metavar="FILE", help="verdicts.jsonl of another judge on the same pairs (repeatable)."
+    ),
 ]
 EvalDataDirOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(
         "--data-dir",
         metavar="DIR",

@@ -98,8 +98,8 @@ def in_process_flow(runs_dir: Path, tracking_uri: str | None) -> Iterator[Path]:
     from tasks.services.service_outages import use_client_retry_settings, warn_about_memory_leases
 
     use_client_retry_settings()  # Prefect's client waits for its server as long as MLflow's does
-    from tasks.services.probes import check_services
     from tasks.preflight import prefect_api_services, tracking_services
+    from tasks.services.probes import check_services
 
     prefect_apis = prefect_api_services()
     check_services([*prefect_apis, *tracking_services(tracking_uri, Path.cwd())])

@@ -19,7 +19,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -30,8 +30,8 @@ from rlhf_cli.ablate_command import ablate
 from rlhf_cli.data_commands import data_app
 from rlhf_cli.eval_command import eval_command
 from rlhf_cli.library_logs import traceback_log, with_library_log
-from rlhf_cli.promote_command import promote
 from rlhf_cli.options import HELP_FORMAT, ConfigOption, OutOption, ParamsOption, SetOption, resolve_config, stage_dir
+from rlhf_cli.promote_command import promote
 from rlhf_core.config import ConfigError
 from rlhf_core.write_failures import OutputWriteError
 
@@ -63,7 +63,8 @@ def config_show(
 @with_library_log("prepare-data")
 def prepare_data(
     data: Annotated[
-        Optional[str], typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id.")
+        str | None,
+        typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id."),
     ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,

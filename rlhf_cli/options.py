@@ -13,7 +13,7 @@ the commands do with them is one preamble (`launching.start_training_command`, w
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -26,16 +26,18 @@ from rlhf_core.layout import default_output_dir
 HELP_FORMAT = None
 
 ConfigOption = Annotated[
-    Optional[list[Path]],
+    list[Path] | None,
     typer.Option("--config", "-c", metavar="FILE", help="Overlay YAML merged over params.yaml (repeatable)."),
 ]
 SetOption = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override one value: key.path=value (repeatable)."),
 ]
 ParamsOption = Annotated[Path, typer.Option("--params", metavar="FILE", help="The base parameter file.")]
-OutOption = Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Output directory of the stage.")]
-DataDirOption = Annotated[Path, typer.Option("--data-dir", metavar="DIR", help="Prepared data (output of prepare-data).")]
+OutOption = Annotated[Path | None, typer.Option("--out", metavar="DIR", help="Output directory of the stage.")]
+DataDirOption = Annotated[
+    Path, typer.Option("--data-dir", metavar="DIR", help="Prepared data (output of prepare-data).")
+]
 SftDirOption = Annotated[Path, typer.Option("--sft-dir", metavar="DIR", help="Output directory of the sft stage.")]
 RmDirOption = Annotated[Path, typer.Option("--rm-dir", metavar="DIR", help="Output directory of the train-rm stage.")]
 RestartOption = Annotated[

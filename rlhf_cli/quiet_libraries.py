@@ -66,7 +66,8 @@ def deepspeed_cpu_setting() -> dict[str, str]:
 
 def silence_libraries() -> None:
     """Switch the libraries' bars and notices off: QUIET_LIBRARY_SETTINGS and `deepspeed_cpu_setting()`, each
-    unless already set, and transformers' bars in this process if transformers was imported before (it reads the switch once, on
+    unless already set, and transformers' bars in this process if transformers was imported before (it reads the switch
+    once, on
     import; a later import reads the variable, so it is not imported here for nothing)."""
     for name, value in (QUIET_LIBRARY_SETTINGS | deepspeed_cpu_setting()).items():
         os.environ.setdefault(name, value)

@@ -24,7 +24,7 @@ Flows (and with them Prefect, MLflow and torch) are imported inside the commands
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -34,11 +34,15 @@ from rlhf_cli.quiet_libraries import silence_libraries
 from rlhf_core.layout import RUNS_DIR
 
 DataOption = Annotated[
-    Optional[str],
-    typer.Option("--data", metavar="SOURCE", help="A local preference file or directory, or a Hub dataset id (default: data.source)."),
+    str | None,
+    typer.Option(
+        "--data",
+        metavar="SOURCE",
+        help="A local preference file or directory, or a Hub dataset id (default: data.source).",
+    ),
 ]
 StageOption = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option(
         "--stage",
         metavar="STAGE",
@@ -47,7 +51,8 @@ StageOption = Annotated[
     ),
 ]
 LimitOption = Annotated[
-    Optional[int], typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap).")
+    int | None,
+    typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap)."),
 ]
 
 
@@ -65,7 +70,9 @@ def run(
         from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
         from rlhf_core.stages.prepare_data import resolve_sources
 
-        resolve_sources(data or start.config.data.source, start.config)  # a missing local input: one line, before Prefect
+        resolve_sources(
+            data or start.config.data.source, start.config
+        )  # a missing local input: one line, before Prefect
         settings = PipelineSettings(
             **start.shared_settings, data=data, stages=[Stage(name) for name in stage] if stage else list(Stage)
         )
@@ -76,8 +83,8 @@ def serve(limit: LimitOption = None) -> None:
     """Serve every deployment of flows/deployments.py from this machine (run them from the Prefect UI)."""
     silence_libraries()  # before the flows import transformers; the flow-run processes inherit the switches
     from flows.serving import serve_deployments
-    from tasks.services.probes import check_services
     from tasks.preflight import prefect_api_services, tracking_services
+    from tasks.services.probes import check_services
     from tasks.services.service_outages import warn_about_memory_leases
 
     prefect_apis = prefect_api_services()

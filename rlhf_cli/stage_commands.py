@@ -53,13 +53,11 @@ def sft(
     """Supervised fine-tuning on prompt + chosen reply (loss on the reply tokens only)."""
     from rlhf_core.stages.sft import run_sft
 
-    result = run_training_command("sft", TrainingOptions(params, config, set_, out, restart), run_sft, data_dir=data_dir)
-    metrics = result.metrics
-    verb = (
-        "handed on the base model untrained"
-        if metrics["skipped"]
-        else f"trained {int(metrics['steps'])} steps"
+    result = run_training_command(
+        "sft", TrainingOptions(params, config, set_, out, restart), run_sft, data_dir=data_dir
     )
+    metrics = result.metrics
+    verb = "handed on the base model untrained" if metrics["skipped"] else f"trained {int(metrics['steps'])} steps"
     typer.echo(
         f"sft: {verb}{_resumed_note(metrics)}; held-out reply perplexity "
         f"{metrics['perplexity_before']:.3f} -> {metrics['perplexity_after']:.3f} "
@@ -111,7 +109,9 @@ def judge_rm(
 
 def score_pairs(
     model: Annotated[Path, typer.Option("--model", metavar="DIR", help="A train-rm output directory or its model/.")],
-    data: Annotated[str, typer.Option("--data", metavar="SOURCE", help="A preference file, a directory of them, or a Hub id.")],
+    data: Annotated[
+        str, typer.Option("--data", metavar="SOURCE", help="A preference file, a directory of them, or a Hub id.")
+    ],
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),

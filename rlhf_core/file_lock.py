@@ -21,7 +21,7 @@ import json
 import os
 import socket
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
@@ -98,7 +98,7 @@ def acquire_lock(path: Path, stage: str, wait: bool = False) -> HeldLock:
     holder = LockHolder(
         pid=os.getpid(),
         host=socket.gethostname(),
-        started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        started=datetime.now(UTC).isoformat(timespec="seconds"),
         stage=stage,
     )
     try:

@@ -9,7 +9,8 @@ write <output>: no space left on device" instead (or "read-only file system", "p
 
 How: `naming_failed_writes(path)` turns an error raised inside it into `OutputWriteError(path)` when
 `write_failure` blames the file system: an `OSError` with one of WRITE_FAILURES' errnos anywhere in the
-error's chain (EACCES only for the output's own paths: an unreadable input is not the output's fault); else the C error text of one in its message (safetensors); else, for a `RuntimeError` or
+error's chain (EACCES only for the output's own paths: an unreadable input is not the output's fault); else the C error
+text of one in its message (safetensors); else, for a `RuntimeError` or
 `OSError` that carries neither (torch's writer), the state of `path`'s file system: mounted read-only,
 or less than FULL_BELOW_BYTES left. Other errors pass unchanged. The atomic writers (rlhf_core/atomic.py)
 check before their cleanup frees the space a failed write took, and every stage's output lock

@@ -50,7 +50,8 @@ QUICKSTART_DATA = "../shared/data/hh-rlhf-harmless/pairs-1800.jsonl.gz"
 SKIPPED = {
     "pip install": "the install: what CI does before the suite",
     "python3 -m pytest": "the test suite: what CI runs",
-    "dvc remote add s3": "the reader's own S3 remote (placeholders); tests/data/test_dvc_data_add.py runs these on rclone S3",
+    "dvc remote add s3": "the reader's own S3 remote (placeholders); tests/data/test_dvc_data_add.py runs "
+    "these on rclone S3",
     "dvc remote modify": "the reader's own S3 remote (placeholders)",
     "export AWS_": "the reader's own S3 credentials (placeholders)",
     "rlhf data add new-pairs.jsonl --remote s3": "the reader's own S3 remote",
@@ -188,7 +189,11 @@ def start_background(session: Session, doc: str, command: str, ready_url: str) -
     started = time.monotonic()
     log = open(session.project.parent / f"server-{len(session.servers)}.log", "w")
     process = subprocess.Popen(
-        ["bash", "-c", command], cwd=session.project, env=session.env, stdout=log, stderr=subprocess.STDOUT,
+        ["bash", "-c", command],
+        cwd=session.project,
+        env=session.env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     session.servers.append(process)
@@ -214,7 +219,7 @@ def promote_through_the_deployment(session: Session) -> None:
     """What the README's "press Run in the UI" does for rlhf-promote: a run of the deployment, waited for."""
     command = (
         "prefect deployment run rlhf-promote/rlhf-promote --watch --params "
-        "'{\"settings\": {\"override\": true, \"reason\": \"readme_commands.py: the first champion\"}}'"
+        '\'{"settings": {"override": true, "reason": "readme_commands.py: the first champion"}}\''
     )
     run_documented(session, "README.md (the UI's Run of rlhf-promote)", command)
     session.promoted = session.outcomes[-1].ok
@@ -292,7 +297,10 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     ran = [outcome for outcome in outcomes if outcome.ok is not None]
     failed = [outcome for outcome in ran if not outcome.ok]
-    print(f"{len(ran) - len(failed)} of {len(ran)} documented commands ran as written ({len(outcomes) - len(ran)} not run)")
+    print(
+        f"{len(ran) - len(failed)} of {len(ran)} documented commands ran as written "
+        f"({len(outcomes) - len(ran)} not run)"
+    )
     return 1 if failed else 0
 
 

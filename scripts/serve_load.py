@@ -114,7 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of a good request (default 8)")
     parser.add_argument("--rounds", type=int, default=1, help="bursts, one after another (default 1)")
     parser.add_argument("--workers", type=int, default=1, help="the server's uvicorn workers (default 1)")
-    parser.add_argument("--server-timeout", type=int, default=60, help="the server's request timeout, s (default 60, MLflow's)")
+    parser.add_argument(
+        "--server-timeout", type=int, default=60, help="the server's request timeout, s (default 60, MLflow's)"
+    )
     parser.add_argument("--request-timeout", type=float, default=300.0, help="client timeout per request, s")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order and the good requests' seeds")
     parser.add_argument("--json", type=Path, help="also write the report to this file as JSON")
@@ -229,7 +231,8 @@ def start_server(model: str, workers: int, timeout_s: int, log_path: Path) -> tu
     """`mlflow models serve` on `model` in a session of its own, answering /ping; the process and URL."""
     port = free_port()
     command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model, "--env-manager", "local",
-               "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--timeout", str(timeout_s)]  # fmt: skip
+               "--host", "127.0.0.1", "--port", str(port),
+               "--workers", str(workers), "--timeout", str(timeout_s)]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)  # fmt: skip
@@ -259,7 +262,9 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 
 def send(url: str, probe: Probe, timeout_s: float) -> Answer:
     """POST one probe to /invocations and judge the answer."""
-    request = urllib.request.Request(f"{url}/invocations", data=probe.body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/invocations", data=probe.body, headers={"Content-Type": "application/json"}
+    )
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -311,7 +316,9 @@ def report(answers: list[Answer], memory: Memory | None, alive: bool, seconds: f
         "requests": len(answers),
         "good": sum(answer.good for answer in answers),
         "bad": sum(not answer.good for answer in answers),
-        "by_status": {str(status): count for status, count in sorted(Counter(answer.status or 0 for answer in answers).items())},
+        "by_status": {
+            str(status): count for status, count in sorted(Counter(answer.status or 0 for answer in answers).items())
+        },
         "good_answered": sum(answer.good and answer.problem is None for answer in answers),
         "bad_refused_4xx": sum(not answer.good and answer.problem is None for answer in answers),
         "failures": failures,
@@ -324,12 +331,23 @@ def report(answers: list[Answer], memory: Memory | None, alive: bool, seconds: f
 
 
 def print_report(figures: dict[str, Any]) -> None:
-    print(f"requests: {figures['requests']} ({figures['good']} good, {figures['bad']} bad) in {figures['wall_s']:.1f} s")
-    print("answers by status: " + ", ".join(f"{status if status != '0' else 'none'}: {count}" for status, count in figures["by_status"].items()))
-    print(f"good answered: {figures['good_answered']}/{figures['good']}; bad refused with 4xx: {figures['bad_refused_4xx']}/{figures['bad']}")
+    print(
+        f"requests: {figures['requests']} ({figures['good']} good, {figures['bad']} bad) in {figures['wall_s']:.1f} s"
+    )
+    print(
+        "answers by status: "
+        + ", ".join(f"{status if status != '0' else 'none'}: {count}" for status, count in figures["by_status"].items())
+    )
+    print(
+        f"good answered: {figures['good_answered']}/{figures['good']}; bad refused with 4xx: "
+        f"{figures['bad_refused_4xx']}/{figures['bad']}"
+    )
     for name in ("latency_good_s", "latency_bad_s"):
         if figures[name]:
-            print(f"{name.removesuffix('_s').replace('_', ' ')}: " + ", ".join(f"{key} {value:.3f} s" for key, value in figures[name].items()))
+            print(
+                f"{name.removesuffix('_s').replace('_', ' ')}: "
+                + ", ".join(f"{key} {value:.3f} s" for key, value in figures[name].items())
+            )
     memory = figures["memory_mib"]
     if memory is not None:
         after = ", ".join(f"{value:.0f}" for value in memory["after_each_round"])

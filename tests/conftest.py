@@ -24,12 +24,14 @@ from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.rollout import kernel_library
 
 if TYPE_CHECKING:
-    from fixtures.tiny_ppo import StageInputs
     from mlflow import MlflowClient
+
+    from fixtures.tiny_ppo import StageInputs
 
 pytest_plugins = [
     "fixtures.servers",
     "fixtures.infra_files",
+    "fixtures.promotion_scenario",
     "fixtures.team.team_stack",
     "fixtures.team.browser",
     "fixtures.team.ui_pipeline",

@@ -14,7 +14,8 @@ workers; then it registers the deployments of prefect.yaml (`prefect deploy --al
 the services running. Commands and settings come from compose.yaml itself (stack_compose.py). The state
 folder holds the databases, the S3 data, each service's log and `stack.json` (process groups, ports,
 addresses), which `status`, `restart` and `down` read; `restart` stops one service and starts it again on
-the same port and data, `kill` ends one as a crash would (SIGKILL, with all it started); `down` stops every process and keeps the data, as
+the same port and data, `kill` ends one as a crash would (SIGKILL, with all it started); `down` stops every process and
+keeps the data, as
 `docker compose down` does.
 """
 
@@ -114,10 +115,7 @@ def down(state: Path) -> list[str]:
 
 def status(state: Path) -> dict[str, str]:
     """Each recorded service: `running` or `stopped`."""
-    return {
-        name: "running" if group_alive(item["group"]) else "stopped"
-        for name, item in _services(state).items()
-    }
+    return {name: "running" if group_alive(item["group"]) else "stopped" for name, item in _services(state).items()}
 
 
 def _services(state: Path) -> dict[str, dict]:
@@ -129,27 +127,21 @@ def _write(state: Path, record: dict) -> None:
     (state / STATE_FILE).write_text(json.dumps(record, indent=2))
 
 
-def _ports(
-    services: dict[str, dict], overrides: dict[str, int]
-) -> dict[str, tuple[int, int]]:
+def _ports(services: dict[str, dict], overrides: dict[str, int]) -> dict[str, tuple[int, int]]:
     """Each listening service's (in-container, native) port: an override, else the port compose publishes
     on the host, else (the databases, which publish none) a free one."""
     ports = {}
     for name, service in services.items():
         inside = container_port(service)
         if inside is not None:
-            published = [
-                int(str(item).split(":")[-2]) for item in service.get("ports") or []
-            ]
+            published = [int(str(item).split(":")[-2]) for item in service.get("ports") or []]
             ports[name] = (
                 inside,
                 overrides.get(name) or (published[0] if published else _free_port()),
             )
     unknown = set(overrides) - set(ports)
     if unknown:
-        raise StackError(
-            f"--port names services that do not listen: {sorted(unknown)}; these do: {sorted(ports)}"
-        )
+        raise StackError(f"--port names services that do not listen: {sorted(unknown)}; these do: {sorted(ports)}")
     return ports
 
 
@@ -177,14 +169,8 @@ def _clean_environment(values: dict[str, str]) -> dict[str, str]:
     which would point a service elsewhere. This checkout comes first on PYTHONPATH, so that the workers
     and their flow runs import its code even where another copy of the project is installed."""
     dropped = re.compile(r"^(PREFECT_|MLFLOW_|AWS_)")
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in values and not dropped.match(key)
-    }
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")])
-    )
+    env = {key: value for key, value in os.environ.items() if key not in values and not dropped.match(key)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
     return env
 
 
@@ -221,13 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     state = args.state_dir.resolve()
     try:
         if args.action == "up":
-            overrides = {
-                name: int(port)
-                for name, _, port in (item.partition("=") for item in args.port)
-            }
-            record = up(
-                args.env_file.resolve(), state, args.project_dir.resolve(), overrides
-            )
+            overrides = {name: int(port) for name, _, port in (item.partition("=") for item in args.port)}
+            record = up(args.env_file.resolve(), state, args.project_dir.resolve(), overrides)
             print(json.dumps(record["urls"], indent=2))
         elif args.action == "restart":
             restart(state, args.service)

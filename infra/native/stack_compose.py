@@ -75,9 +75,7 @@ def start_order(services: dict[str, dict]) -> list[str]:
 
 def environment(service: dict) -> dict[str, str]:
     """A service's `environment` as strings (Compose accepts a mapping whose values may be numbers)."""
-    return {
-        name: str(value) for name, value in (service.get("environment") or {}).items()
-    }
+    return {name: str(value) for name, value in (service.get("environment") or {}).items()}
 
 
 # The port the databases listen on inside their containers (they publish none: only the servers reach them).
@@ -89,9 +87,7 @@ def container_port(service: dict) -> int | None:
     ports = service.get("ports") or []
     if ports:
         return int(str(ports[0]).rsplit(":", 1)[1])
-    return (
-        POSTGRES_PORT if str(service.get("image", "")).startswith("postgres:") else None
-    )
+    return POSTGRES_PORT if str(service.get("image", "")).startswith("postgres:") else None
 
 
 @dataclass(frozen=True)
@@ -120,10 +116,7 @@ class Placement:
 
     def command(self, service: dict, own_name: str) -> list[str]:
         """The service's command, localized; its own port argument becomes its native port."""
-        command = [
-            self._own_port(self.localize(str(part), service), own_name)
-            for part in service["command"]
-        ]
+        command = [self._own_port(self.localize(str(part), service), own_name) for part in service["command"]]
         if command[0] in PYTHON_MODULES:
             command = [sys.executable, "-m", *command]
         return command

@@ -21,9 +21,7 @@ from pathlib import Path
 from stack_processes import StackError, start_detached, wait_until
 
 UNPRIVILEGED_USER = "nobody"
-STOP_SIGNAL = (
-    signal.SIGINT
-)  # PostgreSQL's "fast" shutdown: SIGTERM would wait for every client to leave
+STOP_SIGNAL = signal.SIGINT  # PostgreSQL's "fast" shutdown: SIGTERM would wait for every client to leave
 START_TIMEOUT_S = 60.0
 
 
@@ -67,7 +65,10 @@ def start(name: str, env: dict[str, str], port: int, state: Path, log_path: Path
     client_env = {**_server_env(), "PGPASSWORD": env["POSTGRES_PASSWORD"]}
     connect = ["-h", "127.0.0.1", "-p", str(port), "-U", env["POSTGRES_USER"]]
     ready = [str(bin_dir / "pg_isready"), "-q", *connect]
-    is_ready = lambda: subprocess.run(ready, check=False, env=client_env).returncode == 0
+
+    def is_ready() -> bool:
+        return subprocess.run(ready, check=False, env=client_env).returncode == 0
+
     wait_until(name, group, log_path, is_ready, START_TIMEOUT_S)
     if fresh:
         subprocess.run([str(bin_dir / "createdb"), *connect, env["POSTGRES_DB"]], env=client_env, check=True)
@@ -110,7 +111,8 @@ def _initdb(
         password_file.unlink()
     if result.returncode != 0:
         reach = (
-            f" (run as {user}: that user must be able to reach {data}; as root, use a --state-dir every user may traverse)"
+            f" (run as {user}: that user must be able to reach {data}; as root, use a --state-dir every user "
+            "may traverse)"
             if user
             else ""
         )

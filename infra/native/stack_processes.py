@@ -118,9 +118,7 @@ def log_tail(path: Path) -> str:
 def http_status(url: str, headers: dict[str, str] | None = None) -> int | None:
     """The HTTP status `url` answers with, or None while nothing accepts the connection."""
     try:
-        with urllib.request.urlopen(
-            urllib.request.Request(url, headers=headers or {}), timeout=5
-        ) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
@@ -149,11 +147,7 @@ def wait_until(
     deadline = time.monotonic() + timeout_s
     while not is_ready():
         if not group_alive(group):
-            raise StackError(
-                f"{name} exited before it was ready; log {log_path}:\n{log_tail(log_path)}"
-            )
+            raise StackError(f"{name} exited before it was ready; log {log_path}:\n{log_tail(log_path)}")
         if time.monotonic() > deadline:
-            raise StackError(
-                f"{name} was not ready after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}"
-            )
+            raise StackError(f"{name} was not ready after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}")
         time.sleep(POLL_S)

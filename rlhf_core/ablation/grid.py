@@ -64,7 +64,8 @@ class VariantSpec(BaseModel):
     name: str = Field(description="Names the variant's directory, MLflow run and table row (letters, digits, _ . -).")
     preset: str = Field(description=f"The PPO preset the variant starts from: {', '.join(PPO_PRESETS)}.")
     overrides: list[str] = Field(
-        default_factory=list, description="ppo.key=value overrides applied over the preset (as -s), e.g. ppo.value_clip=null."
+        default_factory=list,
+        description="ppo.key=value overrides applied over the preset (as -s), e.g. ppo.value_clip=null.",
     )
     description: str = Field("", description="What the variant tests, for the summary.")
 
@@ -72,7 +73,9 @@ class VariantSpec(BaseModel):
     @classmethod
     def _name_is_a_path_segment(cls, name: str) -> str:
         if not VARIANT_NAME.match(name):
-            raise ValueError("expected letters, digits, '_', '.' or '-' (at most 64, not starting with '.', '_' or '-')")
+            raise ValueError(
+                "expected letters, digits, '_', '.' or '-' (at most 64, not starting with '.', '_' or '-')"
+            )
         return name
 
     @field_validator("preset")
@@ -152,7 +155,9 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def base_mapping(params_file: Path | str, overlays: Sequence[Path | str] = (), overrides: Sequence[str] = ()) -> dict[str, Any]:
+def base_mapping(
+    params_file: Path | str, overlays: Sequence[Path | str] = (), overrides: Sequence[str] = ()
+) -> dict[str, Any]:
     """params.yaml + overlays + overrides merged as `load_config` merges them, NOT validated.
 
     The variants need the merged mapping rather than the `Config`: only the mapping says which
@@ -205,7 +210,8 @@ def select_variants(grid: GridSpec, only: Sequence[str]) -> list[VariantSpec]:
     unknown = [name for name in only if name not in known]
     if unknown:
         raise ConfigError(
-            f"ablation grid {grid.name}: no variant named {', '.join(map(repr, unknown))}; the grid has {', '.join(sorted(known))}"
+            f"ablation grid {grid.name}: no variant named {', '.join(map(repr, unknown))}; the grid has "
+            f"{', '.join(sorted(known))}"
         )
     return [variant for variant in grid.variants if variant.name in only]
 

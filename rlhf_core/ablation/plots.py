@@ -99,7 +99,9 @@ def plot_outcomes(rows: Sequence[ComparisonRow], path: Path | str, title: str) -
     figure = Figure(figsize=(15.0, 1.6 + 0.45 * max(len(rows), 1)), dpi=100)
     FigureCanvasAgg(figure)
     gain_axes = figure.add_subplot(1, 3, 1)
-    _interval_panel(gain_axes, rows, [row.held_out_gain for row in rows], "held-out reward gain over SFT (paired, 95% CI)")
+    _interval_panel(
+        gain_axes, rows, [row.held_out_gain for row in rows], "held-out reward gain over SFT (paired, 95% CI)"
+    )
     judge_axes = figure.add_subplot(1, 3, 2)
     _interval_panel(judge_axes, rows, [row.judge_win_minus_lose for row in rows], "judge win - lose vs SFT (95% CI)")
     judge_axes.set_xlim(-1.05, 1.05)  # a difference of two rates

@@ -31,10 +31,17 @@ def write_report(
     """Write the four files of the module docstring into `out_dir`; returns them by name."""
     out_dir = Path(out_dir)
     rows = [result.row for result in results]
-    record = {"title": title, "description": description, "base": list(base_lines), "rows": [row.model_dump(mode="json") for row in rows]}
+    record = {
+        "title": title,
+        "description": description,
+        "base": list(base_lines),
+        "rows": [row.model_dump(mode="json") for row in rows],
+    }
     written = {
         COMPARISON_JSON: atomic_write_text(out_dir / COMPARISON_JSON, json.dumps(record, indent=2) + "\n"),
-        COMPARISON_MD: atomic_write_text(out_dir / COMPARISON_MD, summary_markdown(title, description, base_lines, rows)),
+        COMPARISON_MD: atomic_write_text(
+            out_dir / COMPARISON_MD, summary_markdown(title, description, base_lines, rows)
+        ),
         MONITORS_PNG: plot_monitors(results, out_dir / MONITORS_PNG, title),
         OUTCOMES_PNG: plot_outcomes(rows, out_dir / OUTCOMES_PNG, title),
     }

@@ -72,7 +72,9 @@ def comparison_table(rows: Sequence[ComparisonRow]) -> str:
         if row.error is not None:
             lines.append(f"| {row.variant} | {row.settings} | failed: {row.error} |" + " |" * (len(columns) - 3))
             continue
-        selected = f"{number(row.selected_kl)} ({row.selected_step})" if row.selected_step is not None else NOT_AVAILABLE
+        selected = (
+            f"{number(row.selected_kl)} ({row.selected_step})" if row.selected_step is not None else NOT_AVAILABLE
+        )
         lines.append(
             f"| {row.variant} | {row.settings} | {number(row.final_kl)} | {selected} | "
             f"{signed_interval(row.held_out_gain)} | {signed_interval(row.judge_win_minus_lose, percent=True)} | "
@@ -88,7 +90,9 @@ def monitors_table(rows: Sequence[ComparisonRow]) -> str:
     lines = [f"| variant | {header} |", "|---|" + "---|" * len(MONITOR_PANELS)]
     for row in rows:
         cells = [
-            f"{number(row.monitors[key].first)} → {number(row.monitors[key].last)}" if key in row.monitors else NOT_AVAILABLE
+            f"{number(row.monitors[key].first)} → {number(row.monitors[key].last)}"
+            if key in row.monitors
+            else NOT_AVAILABLE
             for key, _ in MONITOR_PANELS
         ]
         lines.append(f"| {row.variant} | " + " | ".join(cells) + " |")
@@ -101,7 +105,10 @@ def findings(rows: Sequence[ComparisonRow]) -> list[str]:
     stopped = [row for row in done if row.guard_stop_step is not None]
     items = [
         "The collapse guard stopped "
-        + ("; ".join(f"`{row.variant}` at step {row.guard_stop_step} ({row.guard_reason})" for row in stopped) or "no variant")
+        + (
+            "; ".join(f"`{row.variant}` at step {row.guard_stop_step} ({row.guard_reason})" for row in stopped)
+            or "no variant"
+        )
         + "."
     ]
     gained = [row.variant for row in done if row.held_out_gain is not None and row.held_out_gain.low > 0]
@@ -113,7 +120,10 @@ def findings(rows: Sequence[ComparisonRow]) -> list[str]:
     judged = [row for row in done if row.judge_win_minus_lose is not None]
     if judged:
         best = max(judged, key=lambda row: row.judge_win_minus_lose.mean)  # type: ignore[union-attr]
-        items.append(f"Highest judge win − lose vs SFT: `{best.variant}` {signed_interval(best.judge_win_minus_lose, percent=True)}.")
+        items.append(
+            f"Highest judge win − lose vs SFT: `{best.variant}` "
+            f"{signed_interval(best.judge_win_minus_lose, percent=True)}."
+        )
     controlled = [row for row in done if row.lc_win_rate is not None]
     if controlled:
         beyond = [row.variant for row in controlled if row.lc_win_rate.low > 0.5]  # type: ignore[union-attr]
@@ -129,7 +139,9 @@ def findings(rows: Sequence[ComparisonRow]) -> list[str]:
             "over-optimisation signature: " + ", ".join(f"`{name}`" for name in signature) + "."
         )
     if any(row.judge_in_sample for row in done):
-        items.append("**The judge is in-sample** (the reward model PPO optimised against): its verdicts favour the policies.")
+        items.append(
+            "**The judge is in-sample** (the reward model PPO optimised against): its verdicts favour the policies."
+        )
     items += [f"`{row.variant}` not evaluated: {row.not_evaluated}" for row in done if row.not_evaluated is not None]
     items += [f"`{row.variant}` failed: {row.error}" for row in rows if row.error is not None]
     return items

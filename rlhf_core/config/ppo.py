@@ -230,7 +230,8 @@ class PPOConfig(Section):
                 "the two former switches are one setting now, ppo.length_residual: none | initial | every_rollout"
             )
         mode = FORMER_LENGTH_RESIDUAL_SWITCHES[switches]
-        warnings.warn(
+        # raised inside pydantic's validation: no stack level names the caller's file
+        warnings.warn(  # noqa: B028
             f"ppo.length_residual: true/false and ppo.rollout_length_residual are former switches, read as "
             f"ppo.length_residual: {mode}; write that instead", FutureWarning,
         )  # fmt: skip

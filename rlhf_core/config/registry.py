@@ -18,7 +18,8 @@ class TrackingConfig(Section):
 
 class PromotionConfig(Section):
     """The gate a `challenger` policy must pass to become the `champion` (the rlhf-promote flow); every
-    check must pass, and a figure the evaluation or the PPO run lacks fails its check (tasks/promotion/promote_tasks.py)."""
+    check must pass, and a figure the evaluation or the PPO run lacks fails its check
+    (tasks/promotion/promote_tasks.py)."""
 
     min_lc_win_rate_low: float | None = Field(
         0.5,
@@ -37,7 +38,9 @@ class PromotionConfig(Section):
         0.67,
         gt=0,
         le=1,
-        description="Smallest evaluation length_ratio (mean reply tokens, challenger / baseline); null: no lower bound.",
+        description=(
+            "Smallest evaluation length_ratio (mean reply tokens, challenger / baseline); null: no lower bound."
+        ),
     )
     max_length_ratio: float | None = Field(
         1.5,

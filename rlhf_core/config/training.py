@@ -68,10 +68,15 @@ class RewardConfig(TrainingConfig):
         "the reward models'); odin needs fixed.",
     )
     lr: float = Field(
-        2e-4, gt=0, lt=1, description="Peak learning rate: only the top blocks and a new head train (2e-5 reached 0.57)."
+        2e-4,
+        gt=0,
+        lt=1,
+        description="Peak learning rate: only the top blocks and a new head train (2e-5 reached 0.57).",
     )
     eval_batches: int = Field(
-        100, ge=1, description="Micro-batches per validation: enough for every rm_val pair, so the best is chosen on all."
+        100,
+        ge=1,
+        description="Micro-batches per validation: enough for every rm_val pair, so the best is chosen on all.",
     )
     beta_rm: float = Field(1.0, ge=0, description="Weight of the LM loss term; 0 turns it off.")
     length_debias: LengthDebias = Field(

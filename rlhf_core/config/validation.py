@@ -88,9 +88,7 @@ def validate_config(raw: dict[str, Any]) -> Config:
     try:
         config = Config.model_validate(raw)
     except ValidationError as err:
-        lines = [
-            _describe_error(e, Config) for e in err.errors() if tuple(map(str, e["loc"])) not in mixups
-        ]
+        lines = [_describe_error(e, Config) for e in err.errors() if tuple(map(str, e["loc"])) not in mixups]
         raise ConfigError("invalid configuration: " + "; ".join([*mixups.values(), *lines])) from None
     if mixups:
         raise ConfigError("invalid configuration: " + "; ".join(mixups.values()))

@@ -90,8 +90,7 @@ def _parse_transcript(text: str, field: str) -> list[Message]:
         raise _RowRejected(DropReason.MALFORMED_TURNS, f"{field}: text before the first Human/Assistant turn")
     speakers, contents = parts[1::2], parts[2::2]
     return [
-        Message(role=_SPEAKER_ROLE[speaker], content=content.strip())
-        for speaker, content in zip(speakers, contents)
+        Message(role=_SPEAKER_ROLE[speaker], content=content.strip()) for speaker, content in zip(speakers, contents)
     ]
 
 
@@ -156,9 +155,7 @@ def _required(row: Mapping[str, object], field: str) -> object:
 def _required_str(row: Mapping[str, object], field: str) -> str:
     value = _required(row, field)
     if not isinstance(value, str):
-        raise _RowRejected(
-            DropReason.WRONG_TYPE, f"field '{field}' is {json_type(value)}, expected a string"
-        )
+        raise _RowRejected(DropReason.WRONG_TYPE, f"field '{field}' is {json_type(value)}, expected a string")
     return value
 
 
@@ -175,9 +172,7 @@ def _parse_hh_transcript(row: Mapping[str, object]) -> tuple[tuple[Message, ...]
         sides[field] = (context, reply)
     (chosen_prompt, chosen), (rejected_prompt, rejected) = sides["chosen"], sides["rejected"]
     if chosen_prompt != rejected_prompt:
-        raise _RowRejected(
-            DropReason.PROMPT_MISMATCH, "chosen and rejected differ before their last Assistant turn"
-        )
+        raise _RowRejected(DropReason.PROMPT_MISMATCH, "chosen and rejected differ before their last Assistant turn")
     _check_replies_differ(chosen, rejected)
     return chosen_prompt, chosen, rejected
 
@@ -250,9 +245,7 @@ def _shared_prompt(
             )
         prompts.append(prompt)
     if prompts[0] != prompts[1]:
-        raise _RowRejected(
-            DropReason.PROMPT_MISMATCH, "chosen and rejected continue different conversations"
-        )
+        raise _RowRejected(DropReason.PROMPT_MISMATCH, "chosen and rejected continue different conversations")
     return prompts[0]
 
 

@@ -29,9 +29,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel
 
+from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.config import DataConfig
 from rlhf_core.data.formats import detect_format, parse_row
-from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.data.io import PROMPT_TYPE, read_parquet, write_parquet
 from rlhf_core.data.readers import OpenedSource, RawRow, Source, open_source
 from rlhf_core.data.records import Drop, DropReason, Message, PpoPrompt, PreferencePair, SftExample
@@ -191,7 +191,9 @@ def prepare_preference_data(
         _collect_source(open_source(source), settings, token_length, collected)
     try:
         check_drop_fraction(
-            len(collected.pairs), collected.drops, [summary.name for summary in collected.sources],
+            len(collected.pairs),
+            collected.drops,
+            [summary.name for summary in collected.sources],
             settings.max_drop_fraction,
         )
     except DataValidationError as error:
@@ -259,7 +261,10 @@ def load_split(out_dir: Path, name: SplitName) -> list[PreferencePair] | list[Sf
         return [PpoPrompt(prompt_id=row["prompt_id"], prompt=_prompt_from_row(row)) for row in rows]
     return [
         PreferencePair(
-            prompt=_prompt_from_row(row), chosen=row["chosen"], rejected=row["rejected"], source=row["source"],
+            prompt=_prompt_from_row(row),
+            chosen=row["chosen"],
+            rejected=row["rejected"],
+            source=row["source"],
             line=row["line"],
         )
         for row in rows
@@ -285,9 +290,7 @@ def _collect_source(
             _collect_row(item, settings, token_length, collected)
         else:
             collected.drops.add(item)
-    collected.sources.append(
-        SourceSummary(name=opened.name, sha256=opened.sha256, rows=rows, formats=dict(formats))
-    )
+    collected.sources.append(SourceSummary(name=opened.name, sha256=opened.sha256, rows=rows, formats=dict(formats)))
 
 
 def _collect_row(row: RawRow, settings: DataConfig, token_length: TokenLengthFn, collected: _Collected) -> None:
@@ -366,9 +369,7 @@ def _build_report(collected: _Collected, splits: Splits, settings: DataConfig) -
         token_lengths={
             "prompt": _length_stats([lengths.prompt for lengths in collected.lengths]),
             "chosen": _length_stats([lengths.prompt_and_chosen - lengths.prompt for lengths in collected.lengths]),
-            "rejected": _length_stats(
-                [lengths.prompt_and_rejected - lengths.prompt for lengths in collected.lengths]
-            ),
+            "rejected": _length_stats([lengths.prompt_and_rejected - lengths.prompt for lengths in collected.lengths]),
         },
         settings=settings,
     )
@@ -400,11 +401,17 @@ def _write_splits(directory: Path, splits: Splits) -> None:
     for name, pairs in pair_splits:
         write_parquet(directory / f"{name}.parquet", [_pair_row(pair) for pair in pairs], PAIR_SCHEMA)
     sft_rows = [
-        {"prompt_id": example.prompt_id, "prompt": [dict(message) for message in example.prompt],
-         "response": example.response}
+        {
+            "prompt_id": example.prompt_id,
+            "prompt": [dict(message) for message in example.prompt],
+            "response": example.response,
+        }
         for example in splits.sft
     ]
     write_parquet(directory / "sft.parquet", sft_rows, SFT_SCHEMA)
     for name, prompts in (("ppo_prompts", splits.ppo_prompts), ("ppo_val_prompts", splits.ppo_val_prompts)):
-        rows = [{"prompt_id": prompt.prompt_id, "prompt": [dict(message) for message in prompt.prompt]} for prompt in prompts]
+        rows = [
+            {"prompt_id": prompt.prompt_id, "prompt": [dict(message) for message in prompt.prompt]}
+            for prompt in prompts
+        ]
         write_parquet(directory / f"{name}.parquet", rows, PPO_SCHEMA)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from enum import Enum
+from functools import cached_property
 from typing import Literal, TypedDict
 
 Role = Literal["system", "user", "assistant"]
@@ -41,9 +41,7 @@ def normalise_prompt_text(prompt: tuple[Message, ...]) -> str:
       "how do i ..." are the same prompt for leakage purposes.
     After collapsing, no content contains a newline, so joining messages with newlines is unambiguous.
     """
-    return "\n".join(
-        f"{message['role']}: {' '.join(message['content'].split()).casefold()}" for message in prompt
-    )
+    return "\n".join(f"{message['role']}: {' '.join(message['content'].split()).casefold()}" for message in prompt)
 
 
 @dataclass(frozen=True)

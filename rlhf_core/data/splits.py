@@ -105,7 +105,7 @@ def prompt_bucket(prompt_id: str, salt: str) -> float:
 
     Changing the salt reshuffles every prompt; keep it fixed for a project so splits stay put.
     """
-    digest = hashlib.sha256(f"{salt}\n{prompt_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{salt}\n{prompt_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -132,7 +132,8 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
     so supervised fine-tuning never sees an eval, rm_val or PPO prompt. PPO prompts are the distinct
     prompts of the ppo bucket, less the validation slice (`ppo_val_prompts`: the prompts whose hash lies
     in the first `ppo_val_fraction` of the bucket), which PPO chooses its output policy on and never
-    trains on; the final evaluation's `eval` prompts so stay unseen by every choice. The ppo bucket's pairs (all of them: `max_ppo_prompts` caps the prompts
+    trains on; the final evaluation's `eval` prompts so stay unseen by every choice. The ppo bucket's pairs (all of
+    them: `max_ppo_prompts` caps the prompts
     PPO answers, not this list) train only the independent judge reward model, which is so disjoint
     from the policy reward model's rm_train pairs, from rm_val and from eval.
     """
@@ -172,8 +173,14 @@ def split_pairs(pairs: Sequence[PreferencePair], config: SplitConfig) -> Splits:
         "ppo_prompts": len(ppo_candidates) - len(ppo_prompts),
     }
     return Splits(
-        rm_train=rm_train, rm_val=rm_val, eval=eval_pairs, sft=sft, ppo_prompts=ppo_prompts,
-        ppo_val_prompts=ppo_val_prompts, ppo_pairs=by_split[Split.PPO], held_back_by_caps=held_back,
+        rm_train=rm_train,
+        rm_val=rm_val,
+        eval=eval_pairs,
+        sft=sft,
+        ppo_prompts=ppo_prompts,
+        ppo_val_prompts=ppo_val_prompts,
+        ppo_pairs=by_split[Split.PPO],
+        held_back_by_caps=held_back,
     )
 
 

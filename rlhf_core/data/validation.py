@@ -105,8 +105,10 @@ def check_drop_fraction(kept: int, drops: DropLog, sources: Sequence[str], max_d
     if kept > 0 and dropped_fraction <= max_drop_fraction:
         return
     by_reason = ", ".join(f"{reason.value}={count}" for reason, count in sorted(drops.counts.items()))
-    problem = "no valid preference pairs remain" if kept == 0 else (
-        f"{dropped_fraction:.1%} of rows were dropped, more than max_drop_fraction={max_drop_fraction:.1%}"
+    problem = (
+        "no valid preference pairs remain"
+        if kept == 0
+        else (f"{dropped_fraction:.1%} of rows were dropped, more than max_drop_fraction={max_drop_fraction:.1%}")
     )
     examples = "; ".join(_first_drops(reason, drops.examples[reason]) for reason in sorted(drops.examples))
     raise DataValidationError(

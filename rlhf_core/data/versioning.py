@@ -118,9 +118,7 @@ def find_eval_overlap(new_pairs: Sequence[PreferencePair], eval_ids: Collection[
     return [pair for pair in new_pairs if pair.prompt_id in eval_ids]
 
 
-def check_new_file(
-    path: Path, raw_dir: Path, settings: DataConfig, token_length: TokenLengthFn
-) -> NewFileReport:
+def check_new_file(path: Path, raw_dir: Path, settings: DataConfig, token_length: TokenLengthFn) -> NewFileReport:
     """Validate `path` as an addition to `raw_dir` and report its evaluation overlap; writes nothing.
 
     Raises FileExistsError when raw_dir already holds a file of that name, DataSourceError when the

@@ -62,8 +62,7 @@ def rank_context(environ: Mapping[str, str] | None = None) -> RankContext:
     local_rank = _read_int(environ, "LOCAL_RANK", rank)
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
         raise RankEnvironmentError(
-            "inconsistent launcher environment: "
-            f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}"
+            f"inconsistent launcher environment: RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}"
         )
     return RankContext(rank=rank, world_size=world_size, local_rank=local_rank)
 
@@ -85,8 +84,7 @@ def init_process_group(context: RankContext) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     if torch.distributed.get_world_size() != context.world_size:
         raise RankEnvironmentError(
-            f"the process group has {torch.distributed.get_world_size()} ranks, "
-            f"WORLD_SIZE says {context.world_size}"
+            f"the process group has {torch.distributed.get_world_size()} ranks, WORLD_SIZE says {context.world_size}"
         )
     torch.distributed.barrier()  # every rank has mapped every other rank's buffer by now
     shared_allreduce_buffer(context.rank).unlink(missing_ok=True)

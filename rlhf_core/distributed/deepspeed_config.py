@@ -111,7 +111,5 @@ def render_deepspeed_config(
         _set_owned(config, path, value, source)
     left = _auto_paths(config)
     if left:
-        raise ConfigError(
-            f'{source}: no value for {", ".join(left)} (only the pipeline\'s own keys may be "auto")'
-        )
+        raise ConfigError(f'{source}: no value for {", ".join(left)} (only the pipeline\'s own keys may be "auto")')
     return config

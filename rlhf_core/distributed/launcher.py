@@ -1,7 +1,8 @@
 """Start a stage on several processes with the `deepspeed` launcher, stream their logs, report failures.
 
 Why the `deepspeed` launcher (and not `accelerate launch`): the training code already drives DeepSpeed
-engines directly (rlhf_core/training/deepspeed_update.py), the launcher ships with the deepspeed package the project depends on
+engines directly (rlhf_core/training/deepspeed_update.py), the launcher ships with the deepspeed package the project
+depends on
 (nothing else to install or configure), and one command covers a single node (`--num_gpus`) and
 several (`--hostfile`, over ssh/pdsh or MPI) with the same flags. `accelerate launch` would add a
 second configuration layer (its own YAML) that would have to agree with params.yaml and the rendered
@@ -180,8 +181,7 @@ def _rank_tails(followers: dict[int | None, _LogFollower]) -> str:
     abort, "terminate called ...", a fatal Python error) said why; the launcher's log only has its status."""
     ranks = sorted(rank for rank in followers if rank is not None)
     return "".join(
-        f"\n--- last lines of rank {rank} ---\n" + "\n".join(followers[rank].lines[-RANK_TAIL_LINES:])
-        for rank in ranks
+        f"\n--- last lines of rank {rank} ---\n" + "\n".join(followers[rank].lines[-RANK_TAIL_LINES:]) for rank in ranks
     )
 
 
@@ -195,9 +195,7 @@ def run_launch(spec: Launch, on_line: LineCallback, stop: StopCheck | None = Non
     spec.error_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env, ERROR_DIR_ENV: str(spec.error_dir), "PYTHONUNBUFFERED": "1"}
     with spec.launcher_log.open("wb") as launcher_output:
-        process = subprocess.Popen(
-            launcher_command(spec), stdout=launcher_output, stderr=subprocess.STDOUT, env=env
-        )
+        process = subprocess.Popen(launcher_command(spec), stdout=launcher_output, stderr=subprocess.STDOUT, env=env)
         try:
             followers = _follow(process, spec, on_line, stop)
         except BaseException:

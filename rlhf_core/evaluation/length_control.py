@@ -120,7 +120,10 @@ class LengthControlledWinRate(BaseModel):
                 "preference beyond length from one side only"
             )
         if self.anchor_pairs == 0:
-            return "not identifiable: no anchor pairs (the baseline against itself) to measure the judge's length preference"
+            return (
+                "not identifiable: no anchor pairs (the baseline against itself) "
+                "to measure the judge's length preference"
+            )
         if self.anchors_reaching < self.min_reaching:
             return (
                 f"not identifiable: {self.anchors_reaching} of {self.anchor_pairs} anchor pairs reach the compared "

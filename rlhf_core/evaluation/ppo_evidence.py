@@ -43,7 +43,11 @@ def ppo_evidence_markdown(policy_dir: Path) -> str | None:
     return "\n".join(lines) + "\n"
 
 
-GUARD_BOUND_NAMES = {"guard_kl_bound": "KL bound", "guard_length_band": "length band", "guard_perplexity_bound": "perplexity bound"}
+GUARD_BOUND_NAMES = {
+    "guard_kl_bound": "KL bound",
+    "guard_length_band": "length band",
+    "guard_perplexity_bound": "perplexity bound",
+}
 
 
 def _guard_line(metrics: dict[str, float]) -> str:

@@ -40,6 +40,7 @@ from rlhf_core.config import RolloutConfig
 from rlhf_core.evaluation.alignment_tax import AlignmentTax
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
 from rlhf_core.evaluation.length_control import LengthControlledWinRate, summarise_length_control
+
 # One bound for "similar length" in the report and in the reward models' length-matched accuracy.
 from rlhf_core.reward.length_metrics import LENGTH_MATCH_RATIO as SIMILAR_LENGTH_RATIO
 from rlhf_core.statistics import (
@@ -241,7 +242,9 @@ def _outcome_figures(prefix: str, summary: OutcomeSummary) -> dict[str, float]:
         ("win_minus_loss", summary.win_minus_loss),
     ):
         if rate is not None:
-            figures.update({f"{prefix}{name}": rate.rate, f"{prefix}{name}_low": rate.low, f"{prefix}{name}_high": rate.high})
+            figures.update(
+                {f"{prefix}{name}": rate.rate, f"{prefix}{name}_low": rate.low, f"{prefix}{name}_high": rate.high}
+            )
     return figures
 
 
@@ -334,9 +337,7 @@ def judge_agreement(
 ) -> Agreement:
     """Percent agreement and Cohen's kappa over the pair keys both judges judged validly."""
     shared = [
-        key
-        for key in verdicts
-        if key in other_verdicts and Verdict.INVALID not in (verdicts[key], other_verdicts[key])
+        key for key in verdicts if key in other_verdicts and Verdict.INVALID not in (verdicts[key], other_verdicts[key])
     ]
     if not shared:
         return Agreement(other_judge=other_judge, pairs=0, percent=None, kappa=None)
@@ -373,6 +374,18 @@ def length_summary(pairs: Sequence[JudgedPair], seed: int, resamples: int) -> Le
     )
 
 
+def judge_summary(judge: JudgeInfo, pairs: Sequence[JudgedPair]) -> JudgeSummary:
+    """Who judged, as the report names it, with the judge's own figures on these pairs."""
+    return JudgeSummary(
+        kind=judge.kind,
+        name=judge.name,
+        role=judge.role,
+        description=judge.description,
+        in_sample=judge.in_sample,
+        figures=judge_figures(judge, pairs),
+    )
+
+
 def build_report(
     pairs: Sequence[JudgedPair],
     judge: JudgeInfo,
@@ -404,28 +417,24 @@ def build_report(
     return EvaluationReport(
         model_a=model_a,
         model_b=model_b,
-        judge=JudgeSummary(
-            kind=judge.kind,
-            name=judge.name,
-            role=judge.role,
-            description=judge.description,
-            in_sample=judge.in_sample,
-            figures=judge_figures(judge, pairs),
-        ),
+        judge=judge_summary(judge, pairs),
         prompts=len(pairs),
         generation=generation,
         overall=summarise_outcomes(verdicts, seed, resamples),
         by_category=category_outcomes(pairs, seed, resamples),
         length=length_summary(pairs, seed, resamples),
-        agreement=[
-            judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())
-        ],
+        agreement=[judge_agreement(by_key, other, name) for name, other in sorted((other_judges or {}).items())],
         alignment_tax=None if alignment_tax is None else summarise_alignment_tax(alignment_tax),
         score_diff=summarise_score_differences(pairs, seed, resamples),
         length_controlled=summarise_length_control(
             [[pair] for pair in pairs] if length_control_pairs is None else length_control_pairs,
-            CONFIDENCE, seed, resamples, anchor_pairs, min_anchor_pairs, min_informative_pairs,
-        ),  # fmt: skip
+            CONFIDENCE,
+            seed,
+            resamples,
+            anchor_pairs,
+            min_anchor_pairs,
+            min_informative_pairs,
+        ),
         length_matched=(
             None
             if length_matched is None

@@ -127,9 +127,7 @@ def _plain_lines(report: EvaluationReport) -> list[str]:
         "|---|---|---|---|---|---|---|",
         _outcome_row("all", report.overall),
         *(_outcome_row(name, summary) for name, summary in report.by_category.items()),
-        _outcome_row(
-            f"similar length (within {report.length.similar_length_ratio:.0%})", report.length.similar_length
-        ),
+        _outcome_row(f"similar length (within {report.length.similar_length_ratio:.0%})", report.length.similar_length),
         *_score_diff_lines(report.score_diff),
     ]
 

@@ -63,17 +63,13 @@ def final_hidden_states(backbone: PreTrainedModel, input_ids: Tensor, attention_
     return _run(backbone, attention_mask, input_ids=input_ids)
 
 
-def lower_residual(
-    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, num_lower: int
-) -> Tensor:
+def lower_residual(backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, num_lower: int) -> Tensor:
     """The residual stream [B, T, H] after the embedding and blocks `0 .. num_lower - 1`."""
     with only_blocks(backbone, 0, num_lower, final_norm=False):
         return _run(backbone, attention_mask, input_ids=input_ids)
 
 
-def upper_hidden_states(
-    backbone: PreTrainedModel, residual: Tensor, attention_mask: Tensor, num_lower: int
-) -> Tensor:
+def upper_hidden_states(backbone: PreTrainedModel, residual: Tensor, attention_mask: Tensor, num_lower: int) -> Tensor:
     """Final hidden states [B, T, H]: blocks `num_lower ..` and the final norm run on `residual` [B, T, H]."""
     with only_blocks(backbone, num_lower, None, final_norm=True):
         return _run(backbone, attention_mask, inputs_embeds=residual)

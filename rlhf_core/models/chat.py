@@ -68,9 +68,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str
     if not messages:
         raise ValueError("render_prompt: the dialogue has no messages")
     if messages[-1]["role"] == "assistant":
-        raise ValueError(
-            "render_prompt: the dialogue ends with an assistant turn; a prompt ends with a user turn"
-        )
+        raise ValueError("render_prompt: the dialogue ends with an assistant turn; a prompt ends with a user turn")
     if tokenizer.chat_template is None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
     return tokenizer.apply_chat_template(
@@ -88,9 +86,7 @@ def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_length: int | None = None
-) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, messages: Messages, max_length: int | None = None) -> list[int]:
     """Ids of `render_prompt`, keeping only the LAST `max_length` tokens: the latest turns matter most."""
     prompt_ids = _token_ids(tokenizer, render_prompt(tokenizer, messages))
     if max_length is None:
@@ -120,9 +116,7 @@ def encode_conversation(
     return EncodedConversation(input_ids=prompt_ids + reply_ids, reply_start=len(prompt_ids))
 
 
-def reply_end_positions(
-    input_ids: Tensor, attention_mask: Tensor, eot_id: int, reply_start: Tensor | int
-) -> Tensor:
+def reply_end_positions(input_ids: Tensor, attention_mask: Tensor, eot_id: int, reply_start: Tensor | int) -> Tensor:
     """Index of the token that ends each reply: where the reward model reads its score.
 
     That is the first REAL (attention_mask == 1) end-of-turn token at or after the reply start; when the
@@ -138,8 +132,7 @@ def reply_end_positions(
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-            "must both be [B, T]"
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [B, T]"
         )
     batch_size, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).expand(batch_size, length)

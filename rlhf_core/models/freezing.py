@@ -24,9 +24,7 @@ def _find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
         if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "layers"
     ]
     if len(found) != 1:
-        raise ValueError(
-            f"expected exactly one `layers` ModuleList of transformer blocks (Llama-style), found {found}"
-        )
+        raise ValueError(f"expected exactly one `layers` ModuleList of transformer blocks (Llama-style), found {found}")
     backbone = model.get_submodule(found[0])
     if not isinstance(getattr(backbone, "norm", None), nn.Module):
         raise ValueError(f"backbone {found[0] or type(model).__name__!r} has no final `norm` module")

@@ -47,7 +47,7 @@ def new_scalar_head(backbone: PreTrainedModel, seed: int) -> nn.Linear:
 
 
 def _lm_head_mode(lm_head: nn.Linear | None, backbone: PreTrainedModel) -> str:
-    """"none", "tied" (shares the input-embedding matrix) or "separate"."""
+    """ "none", "tied" (shares the input-embedding matrix) or "separate"."""
     if lm_head is None:
         return "none"
     return "tied" if lm_head.weight is backbone.get_input_embeddings().weight else "separate"
@@ -88,9 +88,7 @@ class RewardModel(nn.Module):
         self.length_slope = length_slope
 
     @classmethod
-    def from_causal_lm(
-        cls, lm: PreTrainedModel, eot_id: int, keep_lm_head: bool = False, seed: int = 0
-    ) -> RewardModel:
+    def from_causal_lm(cls, lm: PreTrainedModel, eot_id: int, keep_lm_head: bool = False, seed: int = 0) -> RewardModel:
         """Take the causal LM's backbone (and, if asked, its LM head, tied or not) and add a fresh head.
 
         The modules are shared with `lm`, not copied: pass a model you hand over (e.g. a freshly loaded
@@ -125,9 +123,7 @@ class RewardModel(nn.Module):
             length_slope=self.length_slope,
         )
         separate_lm_head = self.lm_head if mode == "separate" else None
-        return save_scalar_head_model(
-            out_dir, self.backbone, self.score_head, tokenizer, head_config, separate_lm_head
-        )
+        return save_scalar_head_model(out_dir, self.backbone, self.score_head, tokenizer, head_config, separate_lm_head)
 
     def forward(
         self,
@@ -203,9 +199,7 @@ class Critic(nn.Module):
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> Path:
         """Save backbone (HF format), value head, tokenizer and head_config.json atomically."""
-        head_config = HeadConfig(
-            kind="critic", hidden_size=self.value_head.in_features, eot_id=None, lm_head="none"
-        )
+        head_config = HeadConfig(kind="critic", hidden_size=self.value_head.in_features, eot_id=None, lm_head="none")
         return save_scalar_head_model(out_dir, self.backbone, self.value_head, tokenizer, head_config)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

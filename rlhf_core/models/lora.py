@@ -68,9 +68,7 @@ def adapted_layer_names(model: nn.Module, target_modules: Sequence[str], top_lay
     """
     blocks_name, blocks = transformer_blocks(model)
     if top_layers is not None and not 1 <= top_layers <= len(blocks):
-        raise ValueError(
-            f"trainable_top_layers must be in [1, {len(blocks)}] (the number of blocks), got {top_layers}"
-        )
+        raise ValueError(f"trainable_top_layers must be in [1, {len(blocks)}] (the number of blocks), got {top_layers}")
     first = 0 if top_layers is None else len(blocks) - top_layers
     names, matched = [], set()
     for index in range(first, len(blocks)):

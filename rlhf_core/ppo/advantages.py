@@ -18,9 +18,7 @@ from torch import Tensor
 from rlhf_core.ppo.masked import check_right_padded, masked_whiten
 
 
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Advantages and returns ``([B, T], [B, T])`` for right-padded ``[B, T]`` rollouts.
 
     ``rewards`` are the per-token rewards (``rewards.token_level_rewards``), ``values`` the

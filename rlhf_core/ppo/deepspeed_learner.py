@@ -6,7 +6,8 @@ clip its own gradient norm (paper 5.3.2: policy and critic are clipped separatel
 learning rate, and under ZeRO-3 partition its own weights. The frozen reference and reward models are
 not engines: they are replicated on every rank (see infra/deepspeed/README.md for their memory).
 
-Gradient scaling is the loop's (rlhf_core/training/deepspeed_update.py): every micro-batch loss is already normalised by the
+Gradient scaling is the loop's (rlhf_core/training/deepspeed_update.py): every micro-batch loss is already normalised
+by the
 GLOBAL mini-batch's token count, so `backward` passes `loss * world_size` to an engine that averages
 over ranks, without dividing by the accumulation steps.
 """
@@ -22,12 +23,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_core.config import DistributedConfig, PPOConfig
-from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config
 from rlhf_core.distributed.zero import gathered_for_generation
-from rlhf_core.training.deepspeed_update import grad_norm_of, initialize_engine, uses_bf16
 from rlhf_core.training.checkpoint import TrainingState
+from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
+from rlhf_core.training.deepspeed_update import grad_norm_of, initialize_engine, uses_bf16
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import parameter_groups
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import PPOConfig, RolloutConfig
+from rlhf_core.config import PPOConfig
 from rlhf_core.distributed.collectives import gather_rows, group_size, sum_across_ranks
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.sharding import shard
@@ -176,9 +176,7 @@ class ExperienceMaker:
     # ---- the shared trunk ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def trunk_states(
-        self, prompt: Batch, response: Batch, generation: Generation | None = None
-    ) -> TrunkStates | None:
+    def trunk_states(self, prompt: Batch, response: Batch, generation: Generation | None = None) -> TrunkStates | None:
         """The shared trunk's residual stream of a sampled batch (None without a shared trunk): the one the
         engine computed while sampling `generation` when it did (`Generation.trunk_residual`), else a pass."""
         if self.trunk is None:

@@ -65,19 +65,14 @@ def check_length_ratio(
     latest rollouts `length` averages, named in the message so a stop is read against the right window."""
     ratio = length / start_length
     window = f" over the latest {rollouts} rollouts" if rollouts > 1 else ""
-    detail = (
-        f"mean response length{window} {length:.4g} is {ratio:.3g} times "
-        f"the initial policy's {start_length:.4g}"
-    )
+    detail = f"mean response length{window} {length:.4g} is {ratio:.3g} times the initial policy's {start_length:.4g}"
     if min_ratio is not None and ratio < min_ratio:
         raise CollapseError("min_length_ratio", step, f"{detail}, below min_length_ratio {min_ratio:g}")
     if max_ratio is not None and ratio > max_ratio:
         raise CollapseError("max_length_ratio", step, f"{detail}, above max_length_ratio {max_ratio:g}")
 
 
-def check_perplexity_drop(
-    perplexity: float, start_perplexity: float, max_drop: float | None, step: int
-) -> None:
+def check_perplexity_drop(perplexity: float, start_perplexity: float, max_drop: float | None, step: int) -> None:
     """Response perplexity must not fall by more than the share `max_drop` of the initial policy's."""
     if max_drop is None:
         return
@@ -114,9 +109,7 @@ class CollapseGuard:
             self._extend_baseline(metrics[LENGTH_METRIC], metrics[PERPLEXITY_METRIC])
         self.recent_lengths = [*self.recent_lengths, metrics[LENGTH_METRIC]][-self.bounds.length_window :]
         if self.baseline_rollouts == 0:
-            raise ValueError(
-                "the guard's baseline is empty: the first rollout must come from the initial policy"
-            )
+            raise ValueError("the guard's baseline is empty: the first rollout must come from the initial policy")
         check_kl(metrics[KL_METRIC], self.bounds.max_kl, step)
         check_length_ratio(
             sum(self.recent_lengths) / len(self.recent_lengths),
@@ -126,9 +119,7 @@ class CollapseGuard:
             step,
             rollouts=len(self.recent_lengths),
         )
-        check_perplexity_drop(
-            metrics[PERPLEXITY_METRIC], self.start_perplexity, self.bounds.max_perplexity_drop, step
-        )
+        check_perplexity_drop(metrics[PERPLEXITY_METRIC], self.start_perplexity, self.bounds.max_perplexity_drop, step)
 
     def _extend_baseline(self, length: float, perplexity: float) -> None:
         """Running means over the initial policy's rollouts."""

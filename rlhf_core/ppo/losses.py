@@ -128,8 +128,7 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
         raise ValueError(f"temperature must be positive, got {temperature}")
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(
-            "expected logits [B, T, V] and tokens [B, T], "
-            f"got {tuple(logits.shape)} and {tuple(tokens.shape)}"
+            f"expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)} and {tuple(tokens.shape)}"
         )
     scaled = tempered(logits, temperature)
     token_logits = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)

@@ -53,9 +53,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     count = int(masked_count(mask).item())
     needed = 2 if unbiased else 1
     if count < needed:
-        raise ValueError(
-            f"masked_var needs at least {needed} real entries (unbiased={unbiased}), mask has {count}"
-        )
+        raise ValueError(f"masked_var needs at least {needed} real entries (unbiased={unbiased}), mask has {count}")
     centered = x - masked_mean(x, mask)
     sum_of_squares = masked_sum(centered.square(), mask)
     return sum_of_squares / (count - 1 if unbiased else count)

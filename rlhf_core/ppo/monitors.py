@@ -150,9 +150,7 @@ def validation_monitors(
     }
 
 
-def sample_rows(
-    experience: Experience, tokenizer: PreTrainedTokenizerBase, limit: int
-) -> list[dict[str, Any]]:
+def sample_rows(experience: Experience, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[dict[str, Any]]:
     """The first `limit` prompts and responses of a rollout as text, with their scores (for samples.jsonl)."""
     rows = []
     for row in range(min(limit, experience.batch_size)):

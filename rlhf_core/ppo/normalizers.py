@@ -84,9 +84,7 @@ class RunningMeanStd:
         """Restore what ``state_dict`` returned; rejects missing/unknown keys and bad values."""
         expected = {"count", "mean", "var"}
         if set(state) != expected:
-            raise ValueError(
-                f"RunningMeanStd state must have keys {sorted(expected)}, got {sorted(state)}"
-            )
+            raise ValueError(f"RunningMeanStd state must have keys {sorted(expected)}, got {sorted(state)}")
         count, mean, var = state["count"], float(state["mean"]), float(state["var"])
         if count != int(count) or count < 0 or var < 0:
             raise ValueError(f"invalid RunningMeanStd state: count={count}, var={var}")

@@ -56,9 +56,7 @@ FIGURE_4_PANELS = (
 
 def curve(history: Sequence[dict[str, float]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the history rows that have a finite value for it."""
-    points = [
-        (int(row["step"]), float(row[key])) for row in history if key in row and math.isfinite(row[key])
-    ]
+    points = [(int(row["step"]), float(row[key])) for row in history if key in row and math.isfinite(row[key])]
     return [step for step, _ in points], [value for _, value in points]
 
 

@@ -147,9 +147,7 @@ def policy_terms(
     is the micro-batch's slice of `loss_advantages`.
     """
     mask = batch.response_mask
-    per_token, stats = policy_loss(
-        logprobs, behaviour_logprobs(batch, config), advantages, mask, config.clip_eps
-    )
+    per_token, stats = policy_loss(logprobs, behaviour_logprobs(batch, config), advantages, mask, config.clip_eps)
     return reduce_tokens(per_token, mask, num_tokens), reduce_tokens(entropy, mask, num_tokens), stats
 
 
@@ -158,9 +156,7 @@ def policy_objective(surrogate: Tensor, entropy: Tensor, ptx: Tensor, config: PP
     return surrogate - config.entropy_coef * entropy + config.ptx_coef * ptx
 
 
-def value_terms(
-    values: Tensor, batch: Experience, config: PPOConfig, num_tokens: int
-) -> tuple[Tensor, ValueLossStats]:
+def value_terms(values: Tensor, batch: Experience, config: PPOConfig, num_tokens: int) -> tuple[Tensor, ValueLossStats]:
     """Critic loss (0-d, token sum / `num_tokens`) of one micro-batch; `values` ``[B, T]`` with gradient."""
     mask = batch.response_mask
     per_token, stats = value_loss(values, batch.values, batch.returns, mask, config.value_clip)

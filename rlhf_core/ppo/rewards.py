@@ -37,8 +37,7 @@ from rlhf_core.statistics import length_slope
 def _require_history(running: RunningMeanStd) -> None:
     if running.count == 0:
         raise ValueError(
-            "running statistics are empty: "
-            "call running.update(scores) with this batch before normalising it"
+            "running statistics are empty: call running.update(scores) with this batch before normalising it"
         )
 
 

@@ -61,9 +61,7 @@ class RewardModelScorer:
         self.reward_model = reward_model
         self.micro_batch_size = micro_batch_size
 
-    def __call__(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
-    ) -> Tensor:
+    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
         return self.score(prompt_ids, prompt_mask, response_ids, response_mask, trunk=None)
 
     @torch.no_grad()

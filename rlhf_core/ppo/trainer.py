@@ -84,9 +84,7 @@ class PPOTrainer:
         self.device = next(models.policy.parameters()).device
         models.reference.requires_grad_(False).eval()
         make_trainable(models.policy, config.trainable_top_layers, config.lora, seed)
-        make_trainable(
-            models.critic, config.trainable_top_layers, config.lora, seed, heads=[models.critic.value_head]
-        )
+        make_trainable(models.critic, config.trainable_top_layers, config.lora, seed, heads=[models.critic.value_head])
         self.context = rank_context()
         if not self.context.is_distributed:  # DeepSpeed takes each gradient from autograd itself
             accumulate_vocabulary_gradients_in_place(models.policy)
@@ -243,9 +241,7 @@ def _finish_iteration(
     metrics["progress"] = step / trainer.total_steps
 
 
-def _start(
-    trainer: PPOTrainer, root: Path, logger: MetricsLogger, samples: SampleTable | None
-) -> TrainingState:
+def _start(trainer: PPOTrainer, root: Path, logger: MetricsLogger, samples: SampleTable | None) -> TrainingState:
     """Seed, resume from the newest checkpoint under `root` (the logs rewound to it) and, on a fresh run,
     fit the `ppo.length_residual: initial` slope (when set) and validate the initial policy at step 0;
     returns the state resumed."""
@@ -304,9 +300,7 @@ def fit(
                 trainer.save_checkpoint(root, step, metrics)
             final_step = step
             progress.update(1)
-            progress.set_postfix(
-                reward=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl/token_k3']:.3f}"
-            )
+            progress.set_postfix(reward=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl/token_k3']:.3f}")
     selection = trainer.validator.select(root)
     return FitResult(
         final_step=final_step,

@@ -150,7 +150,9 @@ class PPOUpdate:
                 trunk=self.trunk_of(micro, "policy"),
             )
             entropy = entropy if entropy is not None else torch.zeros_like(logprobs)
-            surrogate, mean_entropy, stats = policy_terms(logprobs, entropy, micro, micro.advantages, config, num_tokens)
+            surrogate, mean_entropy, stats = policy_terms(
+                logprobs, entropy, micro, micro.advantages, config, num_tokens
+            )
             ptx_loss = ptx_nll_sum(self.policy, ptx[0]) / ptx[1] if ptx else surrogate.new_zeros(())
         objective = policy_objective(surrogate, mean_entropy, ptx_loss, config)
         self._backward("policy", "loss/policy_total", objective, step, metrics)

@@ -1,7 +1,8 @@
 """What the promotion gate reads of the challenger against its baseline, and how that evidence was had.
 
 No comparison is made twice. flows/promote.py has the evidence one of three ways:
-- evaluated: the evaluate task ran (tasks/evaluation/evaluate_task.py), generating both models' replies and judging them;
+- evaluated: the evaluate task ran (tasks/evaluation/evaluate_task.py), generating both models' replies and judging
+them;
 - reused: the evaluate task's cache answered. Its key is the content of the data, of both models and of
   the judge, the config sections it reads and the code (tasks/execution/caching.py), never a path, and a record
   counts only while the output it names is intact. A model downloaded from the registry hashes as the

@@ -66,7 +66,9 @@ GUARD_DISABLED = "guard disabled"
 REQUIRED_GUARD_BOUNDS = {"guard_length_band": "length band", "guard_kl_bound": "KL bound"}
 NOT_REQUIRED = "not required (promotion.require_no_collapse: false)"
 NO_COLLAPSE_BOUND = "guard on with length band and KL bound, guard_stopped == 0"
-NOT_IDENTIFIABLE = "not identifiable: the verdicts cannot separate quality from length (the evaluation's report says why)"
+NOT_IDENTIFIABLE = (
+    "not identifiable: the verdicts cannot separate quality from length (the evaluation's report says why)"
+)
 
 
 class GateCheck(BaseModel):
@@ -93,9 +95,7 @@ class GateCheck(BaseModel):
         return f"{self.name} = {self.shown_value()} ({self.bound}): {'pass' if self.passed else 'FAIL'}"
 
 
-def figure_check(
-    name: str, value: float | None, bound: str, holds: Callable[[float], bool], missing: str
-) -> GateCheck:
+def figure_check(name: str, value: float | None, bound: str, holds: Callable[[float], bool], missing: str) -> GateCheck:
     """The check of one figure against its bound; a missing figure fails, with `missing` in its place."""
     if value is None:
         return GateCheck(name=name, value=None, bound=bound, passed=False, note=missing)

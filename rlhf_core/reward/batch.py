@@ -46,23 +46,16 @@ class PairBatch:
 
     def to(self, device: torch.device) -> PairBatch:
         """The same batch on `device`."""
-        return PairBatch(
-            indices=self.indices, chosen=self.chosen.to(device), rejected=self.rejected.to(device)
-        )
+        return PairBatch(indices=self.indices, chosen=self.chosen.to(device), rejected=self.rejected.to(device))
 
 
-def encode_pairs(
-    tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair], max_length: int
-) -> EncodedPairs:
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair], max_length: int) -> EncodedPairs:
     """Encode both sides of every pair (left truncation); a pair with a reply over `max_length` is dropped."""
     encoded: list[EncodedPair] = []
     kept: list[int] = []
     too_long: list[int] = []
     for index, pair in enumerate(pairs):
-        if not (
-            reply_fits(tokenizer, pair.chosen, max_length)
-            and reply_fits(tokenizer, pair.rejected, max_length)
-        ):
+        if not (reply_fits(tokenizer, pair.chosen, max_length) and reply_fits(tokenizer, pair.rejected, max_length)):
             too_long.append(index)
             continue
         encoded.append(

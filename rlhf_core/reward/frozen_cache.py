@@ -70,9 +70,7 @@ class FrozenLowerCache:
             padded[row, real[row]] = residual
         return padded
 
-    def hidden_states(
-        self, backbone: PreTrainedModel, keys: Sequence[Hashable], batch: SequenceBatch
-    ) -> Tensor:
+    def hidden_states(self, backbone: PreTrainedModel, keys: Sequence[Hashable], batch: SequenceBatch) -> Tensor:
         """Final hidden states [B, T, H] of `batch`: the cached lower blocks, then the top blocks and norm."""
         residual = self.residual(backbone, keys, batch)
         return upper_hidden_states(backbone, residual, batch.attention_mask, self.num_lower)

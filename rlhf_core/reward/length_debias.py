@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -147,7 +148,9 @@ def length_balanced_indices(chosen_lengths: Sequence[int], rejected_lengths: Seq
             longer = in_bin[difference[in_bin] > 0]
             shorter = in_bin[difference[in_bin] < 0]
             count = min(longer.size, shorter.size)
-            keep += rng.choice(longer, count, replace=False).tolist() + rng.choice(shorter, count, replace=False).tolist()
+            keep += (
+                rng.choice(longer, count, replace=False).tolist() + rng.choice(shorter, count, replace=False).tolist()
+            )
     return sorted(keep)
 
 

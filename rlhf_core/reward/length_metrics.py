@@ -174,7 +174,8 @@ class LengthSkill:
         return (self.chosen_shorter.accuracy + self.chosen_longer.accuracy) / 2
 
     def figures(self, prefix: str = "") -> dict[str, float]:
-        """The flat metrics.json names (the contract the reports and the registry read), each with `prefix`; undefined ones left out."""
+        """The flat metrics.json names (the contract the reports and the registry read), each with `prefix`; undefined
+        ones left out."""
         figures: dict[str, float | None] = {
             "length_rule_accuracy": self.length_rule_accuracy,
             "length_rule_prefers_shorter": float(self.length_rule_prefers_shorter),

@@ -20,8 +20,7 @@ def ranking_loss_sum(chosen_scores: Tensor, rejected_scores: Tensor) -> Tensor:
     """
     if chosen_scores.shape != rejected_scores.shape or chosen_scores.dim() != 1:
         raise ValueError(
-            f"chosen {tuple(chosen_scores.shape)} and rejected {tuple(rejected_scores.shape)} scores "
-            "must both be [P]"
+            f"chosen {tuple(chosen_scores.shape)} and rejected {tuple(rejected_scores.shape)} scores must both be [P]"
         )
     return -F.logsigmoid(chosen_scores - rejected_scores).sum()
 

@@ -81,9 +81,7 @@ def side_outputs(model: RewardModel, hidden: Tensor, batch: SequenceBatch) -> Si
     return SideOutputs(model.scores_at_ends(end_hidden, lengths), lengths, length_scores)
 
 
-def side_hidden_states(
-    model: RewardModel, batch: PairBatch, side: Side, cache: FrozenLowerCache | None
-) -> Tensor:
+def side_hidden_states(model: RewardModel, batch: PairBatch, side: Side, cache: FrozenLowerCache | None) -> Tensor:
     """Final hidden states [P, T, H] of one side of the pair batch, through the cache when there is one."""
     sequences = batch.chosen if side == "chosen" else batch.rejected
     if cache is None:

@@ -8,6 +8,7 @@
   and `decode_step` (its C kernels, .c beside .py), `kernel_library` (how those are built and loaded),
   `sampling` (its two exact draws) and `huge_pages` (2 MiB pages under the weights it streams).
 
-It imports nothing of PPO: rlhf_core/ppo/ uses it, and so does rlhf_core/evaluation/. docs/rollout-engine.md says why it is built this way and
+It imports nothing of PPO: rlhf_core/ppo/ uses it, and so does rlhf_core/evaluation/. docs/rollout-engine.md says why
+it is built this way and
 what it measures; docs/architecture.md where this package sits.
 """

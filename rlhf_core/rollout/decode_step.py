@@ -84,9 +84,7 @@ class DecodeStep:
     their storage: the engine builds one per rollout, after `sync_weights`.
     """
 
-    def __init__(
-        self, weights: DecoderWeights, cache: KVCache, positions: Positions, capture: Capture | None
-    ) -> None:
+    def __init__(self, weights: DecoderWeights, cache: KVCache, positions: Positions, capture: Capture | None) -> None:
         self.weights = weights
         self._layers = (_Layer * len(weights.blocks))(*map(_layer, weights.blocks))
         first = weights.blocks[0]

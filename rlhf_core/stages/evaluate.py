@@ -45,13 +45,13 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
 from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
 from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
-from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import Judge, JudgeInfo, Judgement, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
@@ -70,8 +70,8 @@ from rlhf_core.evaluation.outputs import (
     generation_rows,
     matched_generation_rows,
     read_generations,
-    sample_generation_rows,
     read_verdicts,
+    sample_generation_rows,
     verdict_rows,
     write_jsonl,
 )
@@ -343,9 +343,9 @@ class Judgements:
 
 def judge_pairs(judge: Judge, generated: GeneratedPairs, out_dir: Path) -> Judgements:
     """The verdicts on the main, the length-matched, the sample and the anchor pairs, written to
-    verdicts.jsonl, verdicts_matched.jsonl, verdicts_samples.jsonl and verdicts_anchors.jsonl. One call, and a pair that is both (a length-matched
-    pair that is a prompt's main or sample pair) is judged once, so no reply is scored (and no LLM request
-    sent) twice."""
+    verdicts.jsonl, verdicts_matched.jsonl, verdicts_samples.jsonl and verdicts_anchors.jsonl. One call, and
+    a pair that is both (a length-matched pair that is a prompt's main or sample pair) is judged once, so no
+    reply is scored (and no LLM request sent) twice."""
     kinds = (generated.main, generated.matched, generated.samples, generated.anchors)
     asked = list({item.pair.pair_key: item.pair for pairs in kinds for item in pairs}.values())
     by_key = dict(zip([pair.pair_key for pair in asked], judge.judge(asked)))

@@ -1,7 +1,8 @@
 """Stage `ppo`: PPO-max (paper section 5) from the SFT and reward-model outputs.
 
 Inputs: `data_dir` (the prepared splits: `ppo_prompts` to train on, `ppo_val_prompts` to validate
-and select the output on (held out of training and disjoint from `eval`), `sft` for PPO-ptx), `sft_dir/model` (the policy and its frozen reference copy) and `rm_dir/model`
+and select the output on (held out of training and disjoint from `eval`), `sft` for PPO-ptx), `sft_dir/model` (the
+policy and its frozen reference copy) and `rm_dir/model`
 (the frozen reward model, and the critic's initialisation when `ppo.critic_init` is "reward").
 
 Outputs in `out_dir`:
@@ -112,9 +113,7 @@ def load_ppo_models(
     reward_model = RewardModel.from_pretrained(rm_dir / MODEL_DIR, dtype=frozen_dtype, device=device)
     reward_model.requires_grad_(False)
     if load_tokenizer(rm_dir / MODEL_DIR).get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
-            f"the reward model in {rm_dir} uses another tokenizer than the SFT model in {sft_dir}"
-        )
+        raise ValueError(f"the reward model in {rm_dir} uses another tokenizer than the SFT model in {sft_dir}")
     if reward_model.eot_id != end_of_turn_id(tokenizer):
         raise ValueError(
             f"the reward model reads its score at token id {reward_model.eot_id}, but the policy ends its "
@@ -127,11 +126,7 @@ def load_ppo_models(
 
 def load_ppo_data(config: Config, data_dir: Path) -> PPOData:
     """Training prompts, the held-out PPO validation prompts and, for PPO-ptx, the SFT pairs."""
-    ptx = (
-        [(example.prompt, example.response) for example in load_split(data_dir, "sft")]
-        if config.ppo.ptx_coef
-        else []
-    )
+    ptx = [(example.prompt, example.response) for example in load_split(data_dir, "sft")] if config.ppo.ptx_coef else []
     validation = load_split(data_dir, "ppo_val_prompts")
     return PPOData(
         prompts=[prompt.prompt for prompt in load_split(data_dir, "ppo_prompts")],
@@ -227,7 +222,10 @@ def selection_record(result: FitResult, prompt_ids: list[str]) -> dict[str, obje
         "rule": SELECTION_RULE,
         "reason": result.selection.reason,
         "gain_over_initial": {
-            "mean": gain.mean, "standard_error": gain.standard_error, "low": gain.low, "high": gain.high,
+            "mean": gain.mean,
+            "standard_error": gain.standard_error,
+            "low": gain.low,
+            "high": gain.high,
             "prompts": gain.prompts,
         },
         "prompt_ids": prompt_ids,
@@ -337,9 +335,7 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
         samples.close()
 
 
-def _write_outputs(
-    result: FitResult, trainer: PPOTrainer, sft_dir: Path, out_dir: Path, seconds: float
-) -> StageResult:
+def _write_outputs(result: FitResult, trainer: PPOTrainer, sft_dir: Path, out_dir: Path, seconds: float) -> StageResult:
     """The selected policy as `model/`, selection.json, the plots, and metrics.json last (completion)."""
     if result.stop is not None:
         (out_dir / GUARD_STOP_FILE).write_text(str(result.stop) + "\n", encoding="utf-8")

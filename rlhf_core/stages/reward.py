@@ -127,7 +127,9 @@ def initial_reward_model(
         lm, end_of_turn_id(tokenizer), keep_lm_head=settings.beta_rm > 0, seed=config.seed
     ).to(device)
     dtype = model.score_head.weight.dtype
-    model.length_head = new_length_head(settings.length_debias, model.score_head.in_features, config.seed, dtype, device)
+    model.length_head = new_length_head(
+        settings.length_debias, model.score_head.in_features, config.seed, dtype, device
+    )
     heads = [model.score_head] + ([model.length_head] if model.length_head is not None else [])
     make_trainable(model, settings.trainable_top_layers, settings.lora, config.seed, heads=heads)
     if settings.gradient_checkpointing:
@@ -293,7 +295,11 @@ def final_metrics(
 
 
 def fit_length_residual(
-    config: Config, model_dir: Path, tokenizer: PreTrainedTokenizerBase, pairs: EncodedPairs, cache: FrozenLowerCache | None
+    config: Config,
+    model_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: EncodedPairs,
+    cache: FrozenLowerCache | None,
 ) -> float:
     """`reward.length_debias: length_residual`: score the training `pairs` with the selected model's head,
     fit the slope on log reply length (`length_slope`) and save the model with it; returns the slope.

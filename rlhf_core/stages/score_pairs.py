@@ -130,9 +130,7 @@ def _score_pair_file(
         list(range(start, min(start + config.reward.micro_batch_size, len(encoded.pairs))))
         for start in range(0, len(encoded.pairs), config.reward.micro_batch_size)
     ]
-    batches = (
-        collate_pairs([encoded.pairs[i] for i in chunk], chunk, tokenizer.pad_token_id) for chunk in chunks
-    )
+    batches = (collate_pairs([encoded.pairs[i] for i in chunk], chunk, tokenizer.pad_token_id) for chunk in chunks)
     with progress(len(encoded.pairs), "score-pairs", "pair", on_progress) as scored:
         scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False, on_scored=scored.advance)
     length = length_skill(scores.chosen, scores.rejected, *pair_reply_tokens(encoded.pairs), seed=config.seed)

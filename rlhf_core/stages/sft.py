@@ -134,9 +134,7 @@ def _hand_on_base_model(
     }
 
 
-def run_sft(
-    config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None = None
-) -> StageResult:
+def run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None = None) -> StageResult:
     """Fine-tune the base model on the `sft` split into `out_dir` (resuming from its checkpoints).
 
     Holds the output lock for the whole stage. The data and the checkpoints' run record are checked

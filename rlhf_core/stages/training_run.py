@@ -77,7 +77,9 @@ def stage_logger(history: JsonlLogger, caller: MetricsLogger | None, total_steps
 
 
 @contextmanager
-def loop_logger(out_dir: Path, caller: MetricsLogger | None, total_steps: int, is_main: bool) -> Iterator[MetricsLogger]:
+def loop_logger(
+    out_dir: Path, caller: MetricsLogger | None, total_steps: int, is_main: bool
+) -> Iterator[MetricsLogger]:
     """The logger a stage hands the loop, closed afterwards: on rank 0 `stage_logger` over out_dir's
     history.jsonl; on the other ranks, which write nothing, a NullLogger."""
     if not is_main:

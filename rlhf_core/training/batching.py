@@ -29,8 +29,8 @@ examples), so every optimizer step has the same number of micro-batches. The ord
 so different examples are dropped each time.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -118,9 +118,7 @@ class BatchPlan:
         return micro_batches[first : first + self.accumulation_steps]
 
 
-def fixed_size_plan(
-    num_examples: int, seed: int, micro_batch_size: int, accumulation_steps: int
-) -> BatchPlan:
+def fixed_size_plan(num_examples: int, seed: int, micro_batch_size: int, accumulation_steps: int) -> BatchPlan:
     """A plan whose micro-batches all hold `micro_batch_size` examples."""
     return BatchPlan(
         num_examples=num_examples,
@@ -130,9 +128,7 @@ def fixed_size_plan(
     )
 
 
-def length_grouped_plan(
-    lengths: Sequence[int], seed: int, micro_batch_size: int, accumulation_steps: int
-) -> BatchPlan:
+def length_grouped_plan(lengths: Sequence[int], seed: int, micro_batch_size: int, accumulation_steps: int) -> BatchPlan:
     """A plan of `micro_batch_size` examples per micro-batch, each of similar lengths (module docstring)."""
     return BatchPlan(
         num_examples=len(lengths),
@@ -170,9 +166,7 @@ def pack_by_token_budget(lengths: Sequence[int], seed: int, token_budget: int) -
     return micro_batches
 
 
-def token_budget_plan(
-    lengths: Sequence[int], seed: int, token_budget: int, accumulation_steps: int
-) -> BatchPlan:
+def token_budget_plan(lengths: Sequence[int], seed: int, token_budget: int, accumulation_steps: int) -> BatchPlan:
     """A dynamic-batching plan: micro-batches packed up to `token_budget` padded tokens each."""
     packed = pack_by_token_budget(lengths, seed, token_budget)
     return BatchPlan(

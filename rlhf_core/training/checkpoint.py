@@ -185,7 +185,7 @@ def prune_checkpoints(root: str | Path, keep: int | None) -> None:
         raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}")
     root = Path(root)
     complete = complete_checkpoints(root)
-    stale = complete[: -keep] if keep is not None else []
+    stale = complete[:-keep] if keep is not None else []
     for path in root.iterdir():
         if not path.is_dir():
             continue
@@ -194,9 +194,7 @@ def prune_checkpoints(root: str | Path, keep: int | None) -> None:
             shutil.rmtree(path)
 
 
-def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler
-) -> TrainingState:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler) -> TrainingState:
     """Restore model, optimizer, scheduler and RNG states in place from `path`; return the loop's state."""
     path = Path(path)
     if not (path / MARKER_FILE).is_file():

@@ -26,11 +26,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_core.config import DistributedConfig
-from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.distributed.context import RankContext
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config
 from rlhf_core.training.batching import BatchPlan
 from rlhf_core.training.checkpoint import TrainingState
+from rlhf_core.training.deepspeed_checkpoint import restore_engine_checkpoint, save_engine_checkpoint
 from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import build_scheduler
 from rlhf_core.training.update import NonFiniteLossError, parameter_groups
@@ -66,9 +66,7 @@ def grad_norm_of(engine: Any) -> float:
     """The engine's global gradient norm of its last step, before clipping (inf when it skipped one)."""
     norm = engine.get_global_grad_norm()
     if norm is None:
-        raise RuntimeError(
-            "the DeepSpeed engine computed no gradient norm (zero_optimization.compute_grad_norm)"
-        )
+        raise RuntimeError("the DeepSpeed engine computed no gradient norm (zero_optimization.compute_grad_norm)")
     return float(norm)
 
 
@@ -110,9 +108,7 @@ class DeepSpeedUpdate:
         ds_config = render_deepspeed_config(distributed, settings, context.world_size, uses_bf16(config.bf16))
 
         def scheduler(optimizer: Optimizer) -> LRScheduler:
-            return build_scheduler(
-                optimizer, config.schedule, total_steps, config.warmup_ratio, config.min_lr_ratio
-            )
+            return build_scheduler(optimizer, config.schedule, total_steps, config.warmup_ratio, config.min_lr_ratio)
 
         engine = initialize_engine(model, parameter_groups(model, config.weight_decay), ds_config, scheduler)
         return cls(engine, context, per_rank)

@@ -7,8 +7,9 @@ implement `RewindableLogger.truncate_after`, which a resumed run calls so that t
 """
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rlhf_core.atomic import atomic_write_text
 
@@ -110,4 +111,3 @@ def _step_of(line: str) -> float:
         return int(json.loads(line)["step"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return float("inf")
-

@@ -34,9 +34,10 @@ shows progress and calls `on_best`.
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -49,8 +50,8 @@ from rlhf_core.distributed.collectives import sum_counts, sum_metrics
 from rlhf_core.distributed.context import RankContext, init_process_group, rank_context
 from rlhf_core.distributed.sharding import shard
 from rlhf_core.distributed.zero import gathered_parameters
-from rlhf_core.training.batching import BatchPlan
 from rlhf_core.progress import bars_enabled
+from rlhf_core.training.batching import BatchPlan
 from rlhf_core.training.checkpoint import TrainingState, checkpoint_step, latest_checkpoint
 from rlhf_core.training.logger import MetricsLogger, NullLogger, RewindableLogger
 from rlhf_core.training.loop_config import LoopConfig

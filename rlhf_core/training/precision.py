@@ -6,12 +6,12 @@ request is ignored on purpose: CPU bf16 is slow and the CPU path exists for test
 """
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
 
-def autocast(device: torch.device, bf16: bool) -> ContextManager[object]:
+def autocast(device: torch.device, bf16: bool) -> AbstractContextManager[object]:
     """The context to run forward passes in: bf16 autocast if `bf16` and `device` is CUDA, else a no-op."""
     if bf16 and device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)

@@ -98,9 +98,7 @@ def adamw(groups: list[dict[str, Any]], **hyperparameters: Any) -> AdamW:
     return AdamW(groups, fused=fused, **hyperparameters)
 
 
-def build_adamw(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
-) -> AdamW:
+def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> AdamW:
     """AdamW over `parameter_groups(model, weight_decay)`."""
     return adamw(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
 

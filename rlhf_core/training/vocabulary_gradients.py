@@ -14,7 +14,8 @@ both in a third), which `AccumulateGrad` then adds to ``weight.grad``. Here:
 - an untied embedding's backward adds the batch's rows into ``weight.grad`` (``index_add_``; created as
   zeros by the first micro-batch of a step).
 
-The gradients are plain autograd's up to the order of float additions (tests/training/test_training_vocabulary_gradients.py).
+The gradients are plain autograd's up to the order of float additions
+(tests/training/test_training_vocabulary_gradients.py).
 Measured on the tiny configuration's PPO learn phase: docs/rollout-engine.md, "Training".
 
 Only for a process that owns its gradients (not under DeepSpeed, whose hooks take each gradient from

@@ -31,7 +31,9 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.layout import MODEL_DIR, stage_output_dir
+from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.registry.downloads import is_registry_uri, resolve_model_output, version_at_uri
+from tasks.registry.registered_models import PIPELINE_RUN_TAG
 from tasks.tracking.lineage import (
     CONFIG_TAG,
     DATA_SOURCE_TAG,
@@ -41,8 +43,6 @@ from tasks.tracking.lineage import (
     GIT_COMMIT_TAG,
 )
 from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG
-from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
-from tasks.registry.registered_models import PIPELINE_RUN_TAG
 
 REQUIRED_STAGES = ("prepare-data", "sft", "reward")
 JUDGE_STAGE = "judge-reward"
@@ -82,7 +82,9 @@ class BaseReference(BaseModel):
             if stage != JUDGE_STAGE:
                 check_stage_directory(stage, Path(directory).resolve())
             elif not is_registry_uri(directory) and not Path(directory).is_dir():
-                raise FileNotFoundError(f"judge {directory}: no such directory (a reward model directory or models:/ URI)")
+                raise FileNotFoundError(
+                    f"judge {directory}: no such directory (a reward model directory or models:/ URI)"
+                )
 
 
 class AblationBase(BaseModel):
@@ -122,7 +124,9 @@ class AblationBase(BaseModel):
         """Lines for the summary: where each input is, and its content hash."""
         run = f" (pipeline MLflow run {self.pipeline_run_id})" if self.pipeline_run_id else ""
         lines = [f"base: {self.reference.base or 'inputs given one by one'}{run}"]
-        lines += [f"{stage}: `{output.out_dir}` (sha256 {output.sha256[:12]})" for stage, output in self.inputs().items()]
+        lines += [
+            f"{stage}: `{output.out_dir}` (sha256 {output.sha256[:12]})" for stage, output in self.inputs().items()
+        ]
         return lines
 
 
@@ -136,19 +140,25 @@ def find_pipeline_run(client: MlflowClient, experiment: str, base: str | None) -
             return None
         runs = client.search_runs(
             [found.experiment_id],
-            filter_string=f"attributes.run_name = '{Path(base).resolve().name}' and tags.`{ROLE_TAG}` = '{PIPELINE_ROLE}'",
+            filter_string=(
+                f"attributes.run_name = '{Path(base).resolve().name}' and tags.`{ROLE_TAG}` = '{PIPELINE_ROLE}'"
+            ),
             max_results=1,
         )
         return runs[0] if runs else None
     if is_registry_uri(base):
         version = version_at_uri(client, base)
         if PIPELINE_RUN_TAG not in version.tags:
-            raise ValueError(f"base {base}: the version has no {PIPELINE_RUN_TAG} tag: the pipeline did not register it")
+            raise ValueError(
+                f"base {base}: the version has no {PIPELINE_RUN_TAG} tag: the pipeline did not register it"
+            )
         return client.get_run(version.tags[PIPELINE_RUN_TAG])
     try:
         run = client.get_run(base)
     except MlflowException as error:
-        raise ValueError(f"base {base!r}: not a directory, a models:/ URI or an MLflow run id ({error.message})") from None
+        raise ValueError(
+            f"base {base!r}: not a directory, a models:/ URI or an MLflow run id ({error.message})"
+        ) from None
     parent = run.data.tags.get(PARENT_RUN_TAG)
     return client.get_run(parent) if parent else run
 
@@ -173,7 +183,9 @@ def check_stage_directory(stage: str, out_dir: Path) -> None:
     if not out_dir.is_dir():
         raise FileNotFoundError(f"the base's {stage} output {out_dir}: no such directory")
     if not (out_dir / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(f"the base's {stage} output {out_dir} is not a complete stage output (no {COMPLETE_MARKER})")
+        raise FileNotFoundError(
+            f"the base's {stage} output {out_dir} is not a complete stage output (no {COMPLETE_MARKER})"
+        )
     if stage != "prepare-data" and not (out_dir / MODEL_DIR).is_dir():
         raise FileNotFoundError(f"the base's {stage} output {out_dir} has no {MODEL_DIR}/ directory")
 
@@ -193,7 +205,13 @@ def stage_output(stage: str, directory: str, run: Run | None) -> StageOutput:
     check_stage_directory(stage, out_dir)
     model_dir = None if stage == "prepare-data" else out_dir / MODEL_DIR
     run_id = run.data.tags.get(f"stage.{stage}.run_id") if run is not None else None
-    return StageOutput(stage=stage, out_dir=out_dir, sha256=output_sha256(out_dir, model_dir), model_dir=model_dir, mlflow_run_id=run_id)
+    return StageOutput(
+        stage=stage,
+        out_dir=out_dir,
+        sha256=output_sha256(out_dir, model_dir),
+        model_dir=model_dir,
+        mlflow_run_id=run_id,
+    )
 
 
 def resolve_base(

@@ -41,12 +41,18 @@ from rlhf_core.ablation.report import COMPARISON_MD, flat_rows, write_report
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config
 from rlhf_core.layout import STAGE_DIRS, stage_output_dir
-from tasks.ablation.base import AblationBase
-from tasks.execution.caching import StageCachePolicy, with_cache_dir
-from tasks.evaluation.evaluate_task import JudgeSpec, evaluate_task
-from tasks.evaluation.identical_evaluation import is_not_evaluated, models_identical, not_evaluated_record, write_not_evaluated
-from tasks.tracking.mlflow_runs import TrackingTarget
 from rlhf_core.stage_outputs import StageOutput
+from tasks.ablation.base import AblationBase
+from tasks.evaluation.evaluate_task import JudgeSpec, evaluate_task
+from tasks.evaluation.identical_evaluation import (
+    is_not_evaluated,
+    models_identical,
+    not_evaluated_record,
+    write_not_evaluated,
+)
+from tasks.execution.caching import StageCachePolicy, with_cache_dir
+from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
+from tasks.execution.transfer import download_output, join_uri, s3_client
 from tasks.stages.remote import (
     RemoteStages,
     StageRequest,
@@ -54,11 +60,10 @@ from tasks.stages.remote import (
     run_remotely,
     upload_inputs,
 )
-from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.stages.stage_runs import STAGE_SECTIONS, StageContext, content_hashes, tracked_training_stage
 from tasks.stages.stage_tasks import STAGE_TASK_OPTIONS, train_ppo
 from tasks.tracking.metrics_logger import MlflowLogger
-from tasks.execution.transfer import download_output, join_uri, s3_client
+from tasks.tracking.mlflow_runs import TrackingTarget
 
 VARIANT_TAG = "rlhf.variant"
 COMPARISON_ARTIFACT_PATH = "comparison"
@@ -89,8 +94,8 @@ def variant_task(
         return train_ppo(config, data, sft_output, reward_output, run)
 
 
-@task(name="ablation-upload-base", cache_policy=NO_CACHE, retries=STAGE_RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
-      retry_condition_fn=is_retryable)  # fmt: skip
+@task(name="ablation-upload-base", cache_policy=NO_CACHE, retries=STAGE_RETRIES,
+      retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=is_retryable)  # fmt: skip
 def upload_base_task(base: AblationBase, prefix: str) -> dict[str, str]:
     """The base's data, SFT and reward model in the store under `prefix`, once for every remote variant."""
     upstream: dict[str, StageOutput | None] = {"data": base.data, "sft_output": base.sft, "reward_output": base.reward}
@@ -165,7 +170,9 @@ def submit_variant(
     name = f"ppo[{variant.name}]"
     if REMOTE_STAGE in remote.stages:
         remote_task = with_cache_dir(remote_variant_task, context.cache_dir).with_options(task_run_name=name)
-        return remote_task.submit(variant.name, variant.config, base.data, base.sft, base.reward, context, remote, uploaded)
+        return remote_task.submit(
+            variant.name, variant.config, base.data, base.sft, base.reward, context, remote, uploaded
+        )
     local_task = with_cache_dir(variant_task, context.cache_dir).with_options(task_run_name=name)
     return local_task.submit(variant.name, variant.config, base.data, base.sft, base.reward, context)
 
@@ -183,9 +190,15 @@ def submit_evaluation(
     """Start the evaluation of a variant's policy (A) against the base's SFT model (B); a policy identical to
     the SFT model is not evaluated (every pair would be a tie)."""
     if models_identical(policy, base.sft):
-        return not_evaluated_task.with_options(task_run_name=f"not-evaluated[{variant.name}]").submit(policy, base.sft, context)
-    evaluation = with_cache_dir(evaluate_task, context.cache_dir).with_options(task_run_name=f"evaluate[{variant.name}]")
-    return evaluation.submit(variant.config, base.data, policy, base.sft, judge, context, names=(f"{variant.name} (PPO)", "SFT model"))
+        return not_evaluated_task.with_options(task_run_name=f"not-evaluated[{variant.name}]").submit(
+            policy, base.sft, context
+        )
+    evaluation = with_cache_dir(evaluate_task, context.cache_dir).with_options(
+        task_run_name=f"evaluate[{variant.name}]"
+    )
+    return evaluation.submit(
+        variant.config, base.data, policy, base.sft, judge, context, names=(f"{variant.name} (PPO)", "SFT model")
+    )
 
 
 def failure(future: PrefectFuture[StageOutput]) -> str | None:
@@ -210,7 +223,9 @@ def run_variants(
     """Every variant's PPO and then its evaluation, as soon as its PPO is done; one failed variant stops
     no other (its error is in its outcome)."""
     variants = {variant.name: variant for variant in plan.variants}
-    trained = {submit_variant(variant, base, contexts[name], remote, uploaded): name for name, variant in variants.items()}
+    trained = {
+        submit_variant(variant, base, contexts[name], remote, uploaded): name for name, variant in variants.items()
+    }
     ppo_futures = {name: future for future, name in trained.items()}
     evaluations: dict[str, PrefectFuture[StageOutput]] = {}
     for future in as_completed(list(trained)):

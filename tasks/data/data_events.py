@@ -60,4 +60,3 @@ def emit_data_pushed(target: Path, version: str, remote: str | None) -> str | No
     # The events worker sends from a background thread; a command that exits right after must wait for it.
     EventsWorker.drain_all(timeout=EVENT_SEND_TIMEOUT_S)
     return api_url
-

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from rlhf_core.data.readers import DataSourceError
+from rlhf_core.stage_outputs import directory_sha256, file_sha256
 from rlhf_core.stages.prepare_data import is_local_source
 from tasks.data import dvc_data
-from rlhf_core.stage_outputs import directory_sha256, file_sha256
 
 
 class DataSource(BaseModel):

@@ -45,13 +45,13 @@ from rlhf_core.evaluation.outputs import (
     read_jsonl,
 )
 from rlhf_core.evaluation.report import EvaluationReport, Rate, ScoreDifference
+from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_JSON, REPORT_MD, run_evaluate
-from tasks.stages.artifacts import publish_table
+from tasks.evaluation.identical_evaluation import is_not_evaluated, not_evaluated_summary, not_evaluated_tags
 from tasks.execution.caching import StageCachePolicy
 from tasks.execution.concurrency import training_slot
-from tasks.evaluation.identical_evaluation import is_not_evaluated, not_evaluated_summary, not_evaluated_tags
-from rlhf_core.stage_outputs import StageOutput
 from tasks.registry.registered_models import EVALUATION_STATUS_TAG
+from tasks.stages.artifacts import publish_table
 from tasks.stages.stage_runs import STAGE_SECTIONS, StageContext, tracked_stage
 from tasks.stages.stage_tasks import STAGE_TASK_OPTIONS
 
@@ -163,7 +163,9 @@ def evaluate_task(
         )
         output = run.finish(model_dir=None)
         log_evaluation(run.client, run.run_id, output.out_dir)
-    publish_table("evaluate-samples", pair_rows(output.out_dir), "Sample generations of evaluate: both replies, verdict")
+    publish_table(
+        "evaluate-samples", pair_rows(output.out_dir), "Sample generations of evaluate: both replies, verdict"
+    )
     create_markdown_artifact(
         markdown=(output.out_dir / REPORT_MD).read_text(encoding="utf-8"),
         key="evaluate-report",
@@ -179,7 +181,12 @@ def log_evaluation(client: MlflowClient, run_id: str, out_dir: Path) -> None:
     (metrics.json, the `final.*` metrics and plots/win_rate.png are logged by `StageRun.finish`.)
     """
     for name in (
-        REPORT_MD, REPORT_JSON, MATCHED_GENERATIONS_FILE, MATCHED_VERDICTS_FILE, ANCHOR_GENERATIONS_FILE, ANCHOR_VERDICTS_FILE
+        REPORT_MD,
+        REPORT_JSON,
+        MATCHED_GENERATIONS_FILE,
+        MATCHED_VERDICTS_FILE,
+        ANCHOR_GENERATIONS_FILE,
+        ANCHOR_VERDICTS_FILE,
     ):
         client.log_artifact(run_id, str(out_dir / name))
     client.log_table(run_id, data=pd.DataFrame(pair_rows(out_dir)), artifact_file=PAIRS_TABLE)
@@ -236,10 +243,7 @@ def _percent(rate: Rate | None) -> str:
 def _score_diff_text(difference: ScoreDifference | None) -> str:
     if difference is None:
         return ""
-    return (
-        f"; mean score A - B {difference.mean:+.4g} "
-        f"(95% CI {difference.low:+.4g} to {difference.high:+.4g})"
-    )
+    return f"; mean score A - B {difference.mean:+.4g} (95% CI {difference.low:+.4g} to {difference.high:+.4g})"
 
 
 def length_controlled_summary(report: EvaluationReport) -> str:
@@ -282,5 +286,6 @@ def evaluation_summary(output: StageOutput) -> list[str]:
             f"{_percent(overall.tie)}, B wins {_percent(overall.lose)}; win - lose {interval}"
             f"{_score_diff_text(report.score_diff)}"
         ),
-        f"  report: {output.out_dir / REPORT_MD}; chart: {output.out_dir / PLOT_FILE}; MLflow run {output.mlflow_run_id}",
+        f"  report: {output.out_dir / REPORT_MD}; chart: {output.out_dir / PLOT_FILE}; MLflow run "
+        f"{output.mlflow_run_id}",
     ]

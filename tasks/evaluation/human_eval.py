@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,8 @@ from rlhf_core.evaluation.judges.human import (
     load_session,
 )
 from rlhf_core.evaluation.judges.verdicts import Judgement, Verdict
-from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.length_matching import length_matched_pairs
+from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.outputs import (
     MATCHED_VERDICTS_FILE,
     VERDICTS_FILE,
@@ -67,9 +67,14 @@ from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.stages.evaluate import PLOT_FILE, REPORT_JSON, REPORT_MD, draw_replies
 from rlhf_core.stages.result import write_metrics
 from tasks.tracking.lineage import FLOW_RUN_ID_TAG, UNKNOWN
+from tasks.tracking.metrics_logger import (
+    TRACKING_URI_ENV,
+    MlflowLogger,
+    get_or_create_experiment,
+    local_artifact_location,
+)
 from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_ROLE, STAGE_TAG, close_run, run_url
 from tasks.tracking.run_owner import owner_tags
-from tasks.tracking.metrics_logger import TRACKING_URI_ENV, MlflowLogger, get_or_create_experiment, local_artifact_location
 
 STAGE = "human-eval"
 REPORT_ARTIFACT_KEY = "human-eval-report"
@@ -149,7 +154,7 @@ def pause_key(batch: Sequence[ShownPair]) -> str:
 
 def answers_from_form(filled: RunInput, batch: Sequence[ShownPair], session: str) -> list[HumanAnswer]:
     """The submitted form as one answer per pair of the batch."""
-    answered_at = datetime.now(timezone.utc).isoformat()
+    answered_at = datetime.now(UTC).isoformat()
     return [
         HumanAnswer(
             pair_key=shown.planned.pair_key,

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.layout import SELECTION_FILE, stage_output_dir
-from rlhf_core.stages.result import write_metrics
-from rlhf_core.stage_outputs import StageOutput, directory_sha256
 from rlhf_core.promotion.evidence import IDENTICAL_MODELS, IDENTICAL_MODELS_FIGURE, IDENTICAL_MODELS_FIGURES
+from rlhf_core.stage_outputs import StageOutput, directory_sha256
+from rlhf_core.stages.result import write_metrics
 from tasks.registry.registered_models import EVALUATION_STATUS_TAG
 from tasks.stages.stage_runs import StageContext
 

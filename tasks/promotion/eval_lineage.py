@@ -20,8 +20,8 @@ from mlflow.entities.model_registry import ModelVersion
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
-from tasks.registry.downloads import version_at_uri
 from tasks.promotion.promote_tasks import IN_SAMPLE_JUDGE, JudgeChoice, reward_judge_choice
+from tasks.registry.downloads import version_at_uri
 from tasks.registry.registered_models import JUDGE_VERSION_TAG, lineage_output
 from tasks.tracking.metrics_logger import resolve_tracking_uri
 

@@ -18,9 +18,15 @@ from mlflow.entities.model_registry import ModelVersion
 
 from rlhf_core.config import Config
 from rlhf_core.evaluation.refusal import RefusalFigures
-from tasks.evaluation.evaluate_task import EVALUATION_TAG_PREFIX
 from rlhf_core.promotion.evidence import IDENTICAL_MODELS, IDENTICAL_MODELS_FIGURES
-from tasks.registry.registered_models import EVALUATION_STATUS_TAG, JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG, STAGE_RUN_TAG
+from tasks.evaluation.evaluate_task import EVALUATION_TAG_PREFIX
+from tasks.registry.registered_models import (
+    EVALUATION_STATUS_TAG,
+    JUDGE_MODEL_TAG,
+    JUDGE_VERSION_TAG,
+    REWARD_VERSION_TAG,
+    STAGE_RUN_TAG,
+)
 from tasks.stages.stage_reports import FINAL_METRIC_PREFIX
 
 

@@ -35,7 +35,7 @@ gives as a Completed run, never errors.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,14 +49,20 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
-from tasks.registry.downloads import MODELS_URI_PREFIX, download_version, resolve_model_output
-from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec, llm_judge_spec
-from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.promotion.evidence import Evidence
-from tasks.promotion.figures import figures_against_sft, refusal_figures, training_metrics
 from rlhf_core.promotion.gate import GateCheck, gate_checks
-from tasks.registry.registered_models import CHALLENGER_ALIAS, JUDGE_MODEL_TAG, JUDGE_VERSION_TAG, REWARD_VERSION_TAG, lineage_output
+from rlhf_core.stage_outputs import StageOutput
+from tasks.evaluation.evaluate_task import JudgeSpec, judge_spec, llm_judge_spec
 from tasks.execution.retries import is_retryable
+from tasks.promotion.figures import figures_against_sft, refusal_figures, training_metrics
+from tasks.registry.downloads import MODELS_URI_PREFIX, download_version, resolve_model_output
+from tasks.registry.registered_models import (
+    CHALLENGER_ALIAS,
+    JUDGE_MODEL_TAG,
+    JUDGE_VERSION_TAG,
+    REWARD_VERSION_TAG,
+    lineage_output,
+)
 
 CHAMPION_ALIAS = "champion"
 PROMOTION_TAG_PREFIX = "promotion."
@@ -298,7 +304,7 @@ def evidence_tags(result: PromotionResult) -> dict[str, str]:
     tags = {
         DECISION_TAG: result.decision,
         PREVIOUS_CHAMPION_TAG: result.champion_before or NO_VERSION,
-        f"{PROMOTION_TAG_PREFIX}decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        f"{PROMOTION_TAG_PREFIX}decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
         f"{PROMOTION_TAG_PREFIX}flow_run_id": str(flow_run.get_id()),
         f"{PROMOTION_TAG_PREFIX}baseline": str(result.baseline),
         f"{PROMOTION_TAG_PREFIX}evaluation_run_id": str(result.evaluation_run_id),
@@ -411,7 +417,7 @@ def rollback_task(config: Config, tracking_uri: str, reason: str | None) -> Prom
     previous = None if current is None else client.get_model_version(name, current).tags.get(PREVIOUS_CHAMPION_TAG)
     if current is None or previous in (None, NO_VERSION):
         return nothing_to_roll_back(name, current, reason)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     demoted = {
         DECISION_TAG: "rolled-back",
         f"{PROMOTION_TAG_PREFIX}rolled_back_to": previous,

@@ -41,6 +41,7 @@ PYFUNC_ARTIFACTS_DIR = "artifacts"
 TRANSFORMERS_MODEL_DIR = "model"
 TRANSFORMERS_TOKENIZER_DIR = Path("components") / "tokenizer"
 
+
 def is_registry_uri(reference: str | Path) -> bool:
     """Whether `reference` is an MLflow `models:/` URI rather than a directory."""
     return str(reference).startswith(MODELS_URI_PREFIX)
@@ -117,7 +118,8 @@ def downloaded_model_sha256(target: Path) -> str:
 def copy_model_files(download: Path, target: Path) -> None:
     """Copy a downloaded MLflow model's Hugging Face files flat into `target`.
 
-    The policy and the reward model (pyfuncs, tasks/serving/chat_policy.py and tasks/serving/reward_scorer.py) keep their
+    The policy and the reward model (pyfuncs, tasks/serving/chat_policy.py and tasks/serving/reward_scorer.py) keep
+    their
     whole directory as the one artifact in `artifacts/`; a policy registered by earlier versions of this
     pipeline (transformers flavour) keeps its weights and config in `model/` and its tokenizer in
     `components/tokenizer/`.

@@ -55,7 +55,9 @@ JUDGE_MODEL_SUFFIX = "-judge"
 JUDGE_MODEL_TAG = "lineage.judge_model"
 JUDGE_VERSION_TAG = "lineage.judge_version"
 TRAINING_DATA_TAG_PREFIX = "training_data."
-REWARD_SCORER_CODE = Path(__file__).parents[1] / "serving" / "reward_scorer_code.py"  # the reward model's models-from-code file
+REWARD_SCORER_CODE = (
+    Path(__file__).parents[1] / "serving" / "reward_scorer_code.py"
+)  # the reward model's models-from-code file
 CHAT_POLICY_CODE = Path(__file__).parents[1] / "serving" / "chat_policy_code.py"  # the policy's models-from-code file
 LOGGED_MODEL_SCHEME = "models:/"  # a version's source when it was registered from a logged model
 

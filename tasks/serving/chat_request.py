@@ -71,7 +71,9 @@ def parse_request(payload: Any) -> ChatRequest:
     try:
         return ChatRequest.model_validate(payload)
     except ValidationError as error:
-        problems = [f"{'.'.join(map(str, problem['loc'])) or 'request'}: {problem['msg']}" for problem in error.errors()]
+        problems = [
+            f"{'.'.join(map(str, problem['loc'])) or 'request'}: {problem['msg']}" for problem in error.errors()
+        ]
         raise ChatRequestError("; ".join(problems)) from None
 
 

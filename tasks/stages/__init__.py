@@ -1,1 +1,2 @@
-"""The pipeline's stage tasks, and what one attempt of a stage runs in: its MLflow run, outputs, reports and registration."""
+"""The pipeline's stage tasks, and what one attempt of a stage runs in: its MLflow run, outputs, reports and "
+"registration."""

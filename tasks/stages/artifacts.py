@@ -2,7 +2,8 @@
 validation pairs), live progress.
 
 Artifact keys are `<stage>-summary`, `<stage>-samples` (`<stage>-validation-pairs`) and
-`<stage>-progress`, so the UI's Artifacts page keeps the history of each across runs. Progress comes from the `progress` metric (in [0, 1]) that
+`<stage>-progress`, so the UI's Artifacts page keeps the history of each across runs. Progress comes from the
+`progress` metric (in [0, 1]) that
 every training stage logs: `ProgressArtifactLogger` wraps the stage's metrics logger (the MLflow one)
 and moves the progress bar as that metric arrives.
 """
@@ -21,8 +22,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.stage_outputs import StageOutput
+from rlhf_core.training.logger import MetricsLogger
 
 PROGRESS_METRIC = "progress"
 MIN_PROGRESS_STEP_PERCENT = 1.0  # fewer API calls: move the bar by at least 1 % at a time

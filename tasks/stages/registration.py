@@ -14,8 +14,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
 from rlhf_core.config import Config
-from tasks.tracking.mlflow_runs import stage_run
 from rlhf_core.stage_outputs import StageOutput
+from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.registry.registered_models import (
     CHALLENGER_ALIAS,
     PIPELINE_RUN_TAG,
@@ -28,8 +28,8 @@ from tasks.registry.registered_models import (
     tag_version,
     training_data_tags,
 )
-from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.stages.stage_runs import StageContext, stage_lineage
+from tasks.tracking.mlflow_runs import stage_run
 
 
 @task(

@@ -32,11 +32,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.config import Config
 from rlhf_core.layout import STAGE_DIRS, stage_output_dir
-from tasks.execution.caching import with_cache_dir
-from tasks.tracking.mlflow_runs import TrackingTarget
 from rlhf_core.stage_outputs import StageOutput
+from tasks.execution.caching import with_cache_dir
+from tasks.execution.transfer import (
+    S3_SCHEME,
+    StoredOutput,
+    download_output,
+    ensure_uploaded,
+    join_uri,
+    read_stored,
+    s3_client,
+)
 from tasks.stages.stage_runs import StageContext
-from tasks.execution.transfer import S3_SCHEME, StoredOutput, download_output, ensure_uploaded, join_uri, read_stored, s3_client
+from tasks.tracking.mlflow_runs import TrackingTarget
 
 RemoteStageName = Literal["sft", "reward", "ppo"]
 
@@ -142,7 +150,9 @@ def upload_inputs(upstream: dict[str, StageOutput | None], run_prefix: str, clie
     }
 
 
-def run_remotely(request: StageRequest, deployment: str, flow_run_name: str, client: BaseClient) -> tuple[StoredOutput, str]:
+def run_remotely(
+    request: StageRequest, deployment: str, flow_run_name: str, client: BaseClient
+) -> tuple[StoredOutput, str]:
     """Start `deployment` with `request` and wait: (the stored output, the flow run's id); a flow run
     that does not complete raises RemoteStageError with its state message (the remote error)."""
     get_run_logger().info(
@@ -158,7 +168,8 @@ def run_remotely(request: StageRequest, deployment: str, flow_run_name: str, cli
         state = flow_run.state.name if flow_run.state else "unknown"
         message = flow_run.state.message if flow_run.state else ""
         raise RemoteStageError(
-            f"stage {request.stage}: flow run {flow_run.name!r} ({flow_run.id}) of {deployment} ended {state}: {message}"
+            f"stage {request.stage}: flow run {flow_run.name!r} ({flow_run.id}) of {deployment} ended {state}: "
+            f"{message}"
         )
     return read_stored(request.destination, client), str(flow_run.id)
 
@@ -186,7 +197,5 @@ def run_training_stage(
     """
     if stage_task.name not in remote.stages:
         return with_cache_dir(stage_task, context.cache_dir)(config=config, context=context, **inputs)
-    remote_task = remote_stage_task.with_options(
-        name=f"{stage_task.name}-remote", cache_policy=stage_task.cache_policy
-    )
+    remote_task = remote_stage_task.with_options(name=f"{stage_task.name}-remote", cache_policy=stage_task.cache_policy)
     return with_cache_dir(remote_task, context.cache_dir)(stage_task.name, config, context, remote, **inputs)

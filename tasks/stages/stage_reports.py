@@ -18,8 +18,8 @@ from mlflow import MlflowClient
 from rlhf_core.evaluation.outputs import read_jsonl
 from rlhf_core.layout import DATA_REPORT_FILE, METRICS_FILE, PLOTS_DIR, SAMPLES_FILE, SELECTION_FILE
 from rlhf_core.reward.validation_table import VALIDATION_PAIRS_FILE
-from tasks.stages.artifacts import publish_summary, publish_table, read_samples
 from rlhf_core.stage_outputs import StageOutput
+from tasks.stages.artifacts import publish_summary, publish_table, read_samples
 from tasks.tracking.metrics_logger import MlflowLogger
 
 REPORT_FILES = (DATA_REPORT_FILE, METRICS_FILE, SELECTION_FILE)

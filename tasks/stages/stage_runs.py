@@ -27,19 +27,19 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
 from rlhf_core.layout import METRICS_FILE, stage_output_dir
+from rlhf_core.stage_outputs import StageOutput, output_sha256
 from rlhf_core.training.host_allocator import keep_freed_memory
 from rlhf_core.training.logger import MetricsLogger
-from tasks.stages.artifacts import ProgressArtifactLogger, publish_table
+from tasks.data.data_source import DataSource
 from tasks.execution.caching import stage_cache_key
 from tasks.execution.concurrency import training_slot
 from tasks.execution.core_share import following_share
-from tasks.data.data_source import DataSource
-from tasks.tracking.lineage import stage_lineage_tags
-from tasks.tracking.mlflow_runs import TrackingTarget, run_url, stage_run
-from rlhf_core.stage_outputs import StageOutput, output_sha256
+from tasks.stages.artifacts import ProgressArtifactLogger, publish_table
 from tasks.stages.resume import claim_out_dir, release_claim
 from tasks.stages.stage_reports import read_numeric_metrics, report_output
+from tasks.tracking.lineage import stage_lineage_tags
 from tasks.tracking.metrics_logger import MlflowLogger
+from tasks.tracking.mlflow_runs import TrackingTarget, run_url, stage_run
 
 # Config sections each stage reads; they (and config.seed) enter its cache key and its MLflow params.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -114,7 +114,9 @@ def tracked_stage(
     with the lineage of `inputs` (tasks/tracking/lineage.py)."""
     tags = {**attempt_tags(), **stage_lineage(stage, config, context, inputs or {})}
     with stage_run(context.tracking, stage, stage_params(stage, config), tags) as run_id:
-        yield StageRun(stage, stage_output_dir(context.run_dir, stage), run_id, context.tracking.client(), context.tracking)
+        yield StageRun(
+            stage, stage_output_dir(context.run_dir, stage), run_id, context.tracking.client(), context.tracking
+        )
 
 
 @contextmanager

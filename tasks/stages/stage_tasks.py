@@ -30,13 +30,13 @@ from rlhf_core.config import Config
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.evaluation.samples import sample_generations
 from rlhf_core.layout import HISTORY_FILE, MODEL_DIR
+from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.stages import judge_reward, ppo, prepare_data, reward, sft
-from tasks.stages.artifacts import PROGRESS_METRIC
+from tasks.data.data_source import DataSource
 from tasks.execution.caching import StageCachePolicy, with_cache_dir
 from tasks.execution.core_share import CORE_SHARE
-from tasks.data.data_source import DataSource
-from rlhf_core.stage_outputs import StageOutput
 from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
+from tasks.stages.artifacts import PROGRESS_METRIC
 from tasks.stages.stage_runs import (
     STAGE_SECTIONS,
     StageContext,

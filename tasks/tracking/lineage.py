@@ -21,9 +21,9 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from rlhf_core.config import Config
-from tasks.execution.caching import keyed_section_hash
-from tasks.data.data_source import DataSource
 from rlhf_core.stage_outputs import StageOutput
+from tasks.data.data_source import DataSource
+from tasks.execution.caching import keyed_section_hash
 
 UNKNOWN = "unknown"
 GIT_TIMEOUT_S = 10

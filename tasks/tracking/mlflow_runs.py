@@ -26,15 +26,15 @@ from prefect.logging import get_logger
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.config import Config
-from tasks.tracking.lineage import FLOW_RUN_ID_TAG
-from tasks.tracking.run_owner import HOST_TAG, PID_TAG, owner_is_gone, owner_tags
 from tasks.services.service_outages import lost_tracking_server, tracking_server_gone
+from tasks.tracking.lineage import FLOW_RUN_ID_TAG
 from tasks.tracking.metrics_logger import (
     MlflowLogger,
     get_or_create_experiment,
     local_artifact_location,
     resolve_tracking_uri,
 )
+from tasks.tracking.run_owner import HOST_TAG, PID_TAG, owner_is_gone, owner_tags
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
 RUN_NOTE_TAG = "mlflow.note.content"

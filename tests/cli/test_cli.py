@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, SHARED_PAIRS, TINY
 from fixtures.tiny_ppo import hh_pair

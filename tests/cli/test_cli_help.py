@@ -12,15 +12,17 @@ from typing import Any
 
 import pytest
 import typer
-from fixtures.paths import ROOT
 from typer.testing import CliRunner
 
+from fixtures.paths import ROOT
 from flows.pipeline import Stage
 from rlhf_cli.main import app
 
 README = ROOT / "README.md"
 # Typer's type tags: a type name, a list of one, a choice (`<a|b>`) or a range; not a placeholder (`runs/<id>`).
-TYPE_TAG = re.compile(r"<(bool|str|int|float|path|file|directory|datetime|uuid|list\[[^\]]*\]|[^<>\s]*\|[^<>\s]*|[^<>]* range)>")
+TYPE_TAG = re.compile(
+    r"<(bool|str|int|float|path|file|directory|datetime|uuid|list\[[^\]]*\]|[^<>\s]*\|[^<>\s]*|[^<>]* range)>"
+)
 # A README row: | `rlhf data add FILE` | `--remote`, `--push`/`--no-push`, ... |
 README_ROW = re.compile(r"^\| `rlhf ([a-z -]+?)(?: [A-Z]+)?` \| (.*) \|$")
 

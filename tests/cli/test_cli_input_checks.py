@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import run_main
 from fixtures.paths import PARAMS, ROOT
 from fixtures.tiny_ppo import write_stage_inputs
-
 from tasks.ablation.base import BaseReference
 
 GRID = ROOT / "configs" / "ablations" / "paper.yaml"
@@ -45,7 +45,11 @@ def test_a_base_that_cannot_name_a_run_is_refused(tmp_path: Path) -> None:
 
 
 def test_given_inputs_must_be_complete_stage_outputs(stage_inputs: Path, tmp_path: Path) -> None:
-    complete = {"data": str(stage_inputs / "data"), "sft": str(stage_inputs / "sft"), "reward": str(stage_inputs / "reward")}
+    complete = {
+        "data": str(stage_inputs / "data"),
+        "sft": str(stage_inputs / "sft"),
+        "reward": str(stage_inputs / "reward"),
+    }
     BaseReference(**complete).check()
     BaseReference(**complete, judge=str(stage_inputs / "reward")).check()
     BaseReference(**complete, judge="models:/rlhf-reward-judge/1").check()
@@ -71,7 +75,9 @@ def test_rlhf_ablate_without_a_base_fails_in_one_line_before_the_flow(
     monkeypatch.setattr(flows.ablation, "rlhf_ablation", must_not_run)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    status, stderr = run_main(["ablate", "--grid", str(GRID), "--data", "data", "--params", str(PARAMS)], monkeypatch, capsys)
+    status, stderr = run_main(
+        ["ablate", "--grid", str(GRID), "--data", "data", "--params", str(PARAMS)], monkeypatch, capsys
+    )
     assert status == 1
     assert stderr.splitlines() == [
         "rlhf: error: no base given, and no sft, reward output: pass a pipeline run (--base: its directory, MLflow "

@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.processes import group_processes
-
 from rlhf_core.stage_outputs import COMPLETE_MARKER, directory_sha256
 
 pytestmark = pytest.mark.slow  # whole `rlhf run` processes, each with a Prefect server

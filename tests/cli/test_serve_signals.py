@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT
 from fixtures.servers import log_tail, start_prefect_server, stop_server

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from fixtures.paths import ROOT
 from fixtures.processes import group_processes
-
 from flows.stop_signals import with_deadline
 from rlhf_cli.in_process import TEMPORARY_SERVER_SETTINGS
 

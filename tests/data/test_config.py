@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.paths import PARAMS, ROOT, TINY
+from pydantic import ValidationError
 
+from fixtures.paths import PARAMS, ROOT, TINY
 from rlhf_core.config import PPO_PRESETS, ConfigError, load_config, parse_override
 
 
@@ -187,7 +188,7 @@ def test_params_yaml_leaves_switches_to_the_preset() -> None:
 
 def test_config_is_frozen() -> None:
     config = load_config(PARAMS)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         config.sft.lr = 1.0  # type: ignore[misc]
 
 
@@ -245,6 +246,8 @@ def test_a_mixup_is_reported_once_among_the_other_errors() -> None:
 
 
 def test_true_false_null_and_numeric_strings_still_work() -> None:
-    config = load_config(PARAMS, overrides=["sft.skip=true", "sft.max_steps=null", "ppo.policy_lr=2e-4", "ppo.steps=3.0"])
+    config = load_config(
+        PARAMS, overrides=["sft.skip=true", "sft.max_steps=null", "ppo.policy_lr=2e-4", "ppo.steps=3.0"]
+    )
     assert config.sft.skip is True and config.sft.max_steps is None
     assert config.ppo.policy_lr == 2e-4 and config.ppo.steps == 3

@@ -7,9 +7,9 @@ import re
 from typing import Any
 
 import pytest
-from fixtures.paths import PARAMS, ROOT
 from pydantic import BaseModel
 
+from fixtures.paths import PARAMS, ROOT
 from rlhf_core.config import PPO_PRESETS, PRESET_SWITCHES, Config, PPOConfig, read_yaml_mapping
 
 README = ROOT / "README.md"
@@ -37,9 +37,7 @@ def covered(path: str) -> bool:
 def test_params_yaml_values_are_the_code_defaults() -> None:
     written = leaf_paths(read_yaml_mapping(PARAMS))
     defaults = leaf_paths(Config().model_dump(mode="json"))
-    differing = {
-        path: (value, defaults.get(path)) for path, value in written.items() if defaults.get(path) != value
-    }
+    differing = {path: (value, defaults.get(path)) for path, value in written.items() if defaults.get(path) != value}
     assert not differing, f"params.yaml value != code default (params, code): {differing}"
 
 

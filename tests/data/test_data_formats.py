@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from fixtures.pairs import hh
 
+from fixtures.pairs import hh
 from rlhf_core.data.formats import PreferenceFormat, detect_format, parse_row
 from rlhf_core.data.records import Drop, DropReason, PreferencePair
 
@@ -69,8 +69,11 @@ def test_prompt_chosen_rejected_with_message_lists_takes_final_assistant_message
 
 
 def test_implicit_prompt_message_lists_share_their_context() -> None:
-    context = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-               {"role": "user", "content": "Tell a joke"}]
+    context = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Tell a joke"},
+    ]
     row = {
         "chosen": [*context, {"role": "assistant", "content": "Knock knock."}],
         "rejected": [*context, {"role": "assistant", "content": "No."}],
@@ -107,51 +110,98 @@ def test_detect_format_by_keys() -> None:
 SHARED = [("Human", "q1"), ("Assistant", "a1"), ("Human", "q2")]
 
 
-@pytest.mark.parametrize(
-    ("row", "reason"),
-    [
-        ({"chosen": hh(("Human", "q"), ("Assistant", "a"))}, DropReason.MISSING_FIELD),
-        ({"text": "hello"}, DropReason.MISSING_FIELD),
-        ({"chosen": 3, "rejected": "x"}, DropReason.WRONG_TYPE),
-        ({"prompt": 5, "chosen": "a", "rejected": "b"}, DropReason.WRONG_TYPE),
-        ({"prompt": "p", "chosen": {"text": "a"}, "rejected": "b"}, DropReason.WRONG_TYPE),
-        ({"prompt": None, "chosen": "a", "rejected": "b"}, DropReason.MISSING_FIELD),
-        ({"chosen": hh(*SHARED, ("Assistant", "")), "rejected": hh(*SHARED, ("Assistant", "b"))},
-         DropReason.EMPTY_REPLY),
-        ({"prompt": "p", "chosen": "a", "rejected": "   "}, DropReason.EMPTY_REPLY),
-        ({"chosen": hh(*SHARED, ("Assistant", "same")), "rejected": hh(*SHARED, ("Assistant", "same "))},
-         DropReason.IDENTICAL_REPLIES),
-        ({"prompt": "p", "chosen": "x", "rejected": "x"}, DropReason.IDENTICAL_REPLIES),
-        ({"chosen": hh(*SHARED, ("Assistant", "a")),
-          "rejected": hh(("Human", "other"), ("Assistant", "a1"), ("Human", "q2"), ("Assistant", "b"))},
-         DropReason.PROMPT_MISMATCH),
-        ({"prompt": "p", "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-          "rejected": "b"}, DropReason.PROMPT_MISMATCH),
-        ({"chosen": "no turns at all", "rejected": "none here either"}, DropReason.MALFORMED_TURNS),
-        ({"chosen": "preamble" + hh(("Human", "q"), ("Assistant", "a")),
-          "rejected": "preamble" + hh(("Human", "q"), ("Assistant", "b"))}, DropReason.MALFORMED_TURNS),
-        ({"chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
-          "rejected": hh(("Human", "q"), ("Human", "q"), ("Assistant", "b"))}, DropReason.MALFORMED_TURNS),
-        ({"chosen": hh(("Human", "q"), ("Assistant", "a"), ("Human", "more")),
-          "rejected": hh(("Human", "q"), ("Assistant", "b"))}, DropReason.MALFORMED_TURNS),
-        ({"chosen": hh(("Human", ""), ("Assistant", "a")), "rejected": hh(("Human", ""), ("Assistant", "b"))},
-         DropReason.MALFORMED_TURNS),
-        ({"chosen": hh(("Assistant", "hi"), ("Assistant", "a")),
-          "rejected": hh(("Assistant", "hi"), ("Assistant", "b"))}, DropReason.MALFORMED_TURNS),
-        ({"prompt": [{"role": "bot", "content": "q"}], "chosen": "a", "rejected": "b"}, DropReason.MALFORMED_TURNS),
-        ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-          "chosen": "a", "rejected": "b"}, DropReason.MALFORMED_TURNS),
-        ({"prompt": "p", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, DropReason.MALFORMED_TURNS),
-        ({"prompt": ["just a string"], "chosen": "a", "rejected": "b"}, DropReason.MALFORMED_TURNS),
-    ],
-)
+# A row of each kind that is dropped, and the reason it is dropped for.
+BAD_ROWS = [
+    ({"chosen": hh(("Human", "q"), ("Assistant", "a"))}, DropReason.MISSING_FIELD),
+    ({"text": "hello"}, DropReason.MISSING_FIELD),
+    ({"chosen": 3, "rejected": "x"}, DropReason.WRONG_TYPE),
+    ({"prompt": 5, "chosen": "a", "rejected": "b"}, DropReason.WRONG_TYPE),
+    ({"prompt": "p", "chosen": {"text": "a"}, "rejected": "b"}, DropReason.WRONG_TYPE),
+    ({"prompt": None, "chosen": "a", "rejected": "b"}, DropReason.MISSING_FIELD),
+    (
+        {"chosen": hh(*SHARED, ("Assistant", "")), "rejected": hh(*SHARED, ("Assistant", "b"))},
+        DropReason.EMPTY_REPLY,
+    ),
+    ({"prompt": "p", "chosen": "a", "rejected": "   "}, DropReason.EMPTY_REPLY),
+    (
+        {"chosen": hh(*SHARED, ("Assistant", "same")), "rejected": hh(*SHARED, ("Assistant", "same "))},
+        DropReason.IDENTICAL_REPLIES,
+    ),
+    ({"prompt": "p", "chosen": "x", "rejected": "x"}, DropReason.IDENTICAL_REPLIES),
+    (
+        {
+            "chosen": hh(*SHARED, ("Assistant", "a")),
+            "rejected": hh(("Human", "other"), ("Assistant", "a1"), ("Human", "q2"), ("Assistant", "b")),
+        },
+        DropReason.PROMPT_MISMATCH,
+    ),
+    (
+        {
+            "prompt": "p",
+            "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "rejected": "b",
+        },
+        DropReason.PROMPT_MISMATCH,
+    ),
+    ({"chosen": "no turns at all", "rejected": "none here either"}, DropReason.MALFORMED_TURNS),
+    (
+        {
+            "chosen": "preamble" + hh(("Human", "q"), ("Assistant", "a")),
+            "rejected": "preamble" + hh(("Human", "q"), ("Assistant", "b")),
+        },
+        DropReason.MALFORMED_TURNS,
+    ),
+    (
+        {
+            "chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
+            "rejected": hh(("Human", "q"), ("Human", "q"), ("Assistant", "b")),
+        },
+        DropReason.MALFORMED_TURNS,
+    ),
+    (
+        {
+            "chosen": hh(("Human", "q"), ("Assistant", "a"), ("Human", "more")),
+            "rejected": hh(("Human", "q"), ("Assistant", "b")),
+        },
+        DropReason.MALFORMED_TURNS,
+    ),
+    (
+        {"chosen": hh(("Human", ""), ("Assistant", "a")), "rejected": hh(("Human", ""), ("Assistant", "b"))},
+        DropReason.MALFORMED_TURNS,
+    ),
+    (
+        {
+            "chosen": hh(("Assistant", "hi"), ("Assistant", "a")),
+            "rejected": hh(("Assistant", "hi"), ("Assistant", "b")),
+        },
+        DropReason.MALFORMED_TURNS,
+    ),
+    ({"prompt": [{"role": "bot", "content": "q"}], "chosen": "a", "rejected": "b"}, DropReason.MALFORMED_TURNS),
+    (
+        {
+            "prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "chosen": "a",
+            "rejected": "b",
+        },
+        DropReason.MALFORMED_TURNS,
+    ),
+    ({"prompt": "p", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, DropReason.MALFORMED_TURNS),
+    ({"prompt": ["just a string"], "chosen": "a", "rejected": "b"}, DropReason.MALFORMED_TURNS),
+]
+
+
+@pytest.mark.parametrize(("row", "reason"), BAD_ROWS)
 def test_bad_rows_are_dropped_with_their_reason(row: dict, reason: DropReason) -> None:
     assert reason_of(row) is reason
 
 
 def test_drop_detail_names_the_problem() -> None:
-    result = parse({"chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
-                    "rejected": hh(("Human", "q"), ("Assistant", "b"))})
+    result = parse(
+        {
+            "chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
+            "rejected": hh(("Human", "q"), ("Assistant", "b")),
+        }
+    )
     assert isinstance(result, Drop)
     assert "chosen" in result.detail and "user" in result.detail
 
@@ -164,8 +214,13 @@ def reference_prompt_id(messages: list[tuple[str, str]]) -> str:
 def test_prompt_id_ignores_whitespace_and_case_but_not_roles() -> None:
     a = parse({"prompt": "How do I  bake\nbread?", "chosen": "x", "rejected": "y"})
     b = parse({"prompt": " how do i bake bread? ", "chosen": "x", "rejected": "z"})
-    c = parse({"prompt": [{"role": "system", "content": "How do I bake bread?"},
-                          {"role": "user", "content": "ok"}], "chosen": "x", "rejected": "y"})
+    c = parse(
+        {
+            "prompt": [{"role": "system", "content": "How do I bake bread?"}, {"role": "user", "content": "ok"}],
+            "chosen": "x",
+            "rejected": "y",
+        }
+    )
     assert isinstance(a, PreferencePair) and isinstance(b, PreferencePair) and isinstance(c, PreferencePair)
     assert a.prompt_id == b.prompt_id == reference_prompt_id([("user", "how do i bake bread?")])
     assert c.prompt_id == reference_prompt_id([("system", "how do i bake bread?"), ("user", "ok")])

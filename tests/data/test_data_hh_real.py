@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fixtures.pairs import word_lengths
 from fixtures.paths import SHARED_PAIRS
-
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import load_split, prepare_preference_data
 

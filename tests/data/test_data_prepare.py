@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from fixtures.pairs import hh, word_lengths
 
+from fixtures.pairs import hh, word_lengths
 from rlhf_core.atomic import atomic_directory
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import (
@@ -26,14 +26,25 @@ from rlhf_core.data.records import PreferencePair
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.layout import DATA_REPORT_FILE
 
-OUTPUT_FILES = {"rm_train.parquet", "rm_val.parquet", "eval.parquet", "sft.parquet", "ppo_prompts.parquet",
-                "ppo_val_prompts.parquet", "ppo_pairs.parquet", DATA_REPORT_FILE, "metrics.json"}
+OUTPUT_FILES = {
+    "rm_train.parquet",
+    "rm_val.parquet",
+    "eval.parquet",
+    "sft.parquet",
+    "ppo_prompts.parquet",
+    "ppo_val_prompts.parquet",
+    "ppo_pairs.parquet",
+    DATA_REPORT_FILE,
+    "metrics.json",
+}
 
 
 def good_hh(number: int) -> dict:
     shared = [("Human", f"Question {number}?"), ("Assistant", "Which part?"), ("Human", "All of it.")]
-    return {"chosen": hh(*shared, ("Assistant", f"Helpful answer {number}.")),
-            "rejected": hh(*shared, ("Assistant", f"Unhelpful answer {number}."))}
+    return {
+        "chosen": hh(*shared, ("Assistant", f"Helpful answer {number}.")),
+        "rejected": hh(*shared, ("Assistant", f"Unhelpful answer {number}.")),
+    }
 
 
 def good_pcr(number: int) -> dict:
@@ -41,7 +52,11 @@ def good_pcr(number: int) -> dict:
 
 
 SETTINGS = DataConfig(
-    eval_fraction=0.2, rm_val_fraction=0.2, ppo_fraction=0.2, max_total_tokens=40, max_drop_fraction=0.9,
+    eval_fraction=0.2,
+    rm_val_fraction=0.2,
+    ppo_fraction=0.2,
+    max_total_tokens=40,
+    max_drop_fraction=0.9,
 )
 
 # (row as a JSON line, expected reason or None when the row is kept)
@@ -52,29 +67,66 @@ BAD_AND_GOOD_LINES: list[tuple[str, str | None]] = [
     ("[1, 2, 3]", "malformed_json"),
     (json.dumps({"chosen": good_hh(3)["chosen"]}), "missing_field"),
     (json.dumps({"question": "hi"}), "missing_field"),
-    (json.dumps({"chosen": hh(("Human", "q"), ("Assistant", "")), "rejected": hh(("Human", "q"), ("Assistant", "b"))}),
-     "empty_reply"),
+    (
+        json.dumps(
+            {"chosen": hh(("Human", "q"), ("Assistant", "")), "rejected": hh(("Human", "q"), ("Assistant", "b"))}
+        ),
+        "empty_reply",
+    ),
     (json.dumps({"prompt": "p", "chosen": " ", "rejected": "b"}), "empty_reply"),
-    (json.dumps({"chosen": hh(("Human", "q"), ("Assistant", "same")),
-                 "rejected": hh(("Human", "q"), ("Assistant", "same"))}),
-     "identical_replies"),
-    (json.dumps({"chosen": hh(("Human", "q1"), ("Assistant", "a")),
-                 "rejected": hh(("Human", "q2"), ("Assistant", "b"))}),
-     "prompt_mismatch"),
-    (json.dumps({"chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
-                 "rejected": hh(("Human", "q"), ("Human", "q"), ("Assistant", "b"))}), "malformed_turns"),
-    (json.dumps({"chosen": "intro" + hh(("Human", "q"), ("Assistant", "a")),
-                 "rejected": "intro" + hh(("Human", "q"), ("Assistant", "b"))}), "malformed_turns"),
-    (json.dumps({"chosen": hh(("Human", "q"), ("Assistant", "a"), ("Human", "ok")),
-                 "rejected": hh(("Human", "q"), ("Assistant", "a"), ("Human", "no"))}), "malformed_turns"),
+    (
+        json.dumps(
+            {"chosen": hh(("Human", "q"), ("Assistant", "same")), "rejected": hh(("Human", "q"), ("Assistant", "same"))}
+        ),
+        "identical_replies",
+    ),
+    (
+        json.dumps(
+            {"chosen": hh(("Human", "q1"), ("Assistant", "a")), "rejected": hh(("Human", "q2"), ("Assistant", "b"))}
+        ),
+        "prompt_mismatch",
+    ),
+    (
+        json.dumps(
+            {
+                "chosen": hh(("Human", "q"), ("Human", "q"), ("Assistant", "a")),
+                "rejected": hh(("Human", "q"), ("Human", "q"), ("Assistant", "b")),
+            }
+        ),
+        "malformed_turns",
+    ),
+    (
+        json.dumps(
+            {
+                "chosen": "intro" + hh(("Human", "q"), ("Assistant", "a")),
+                "rejected": "intro" + hh(("Human", "q"), ("Assistant", "b")),
+            }
+        ),
+        "malformed_turns",
+    ),
+    (
+        json.dumps(
+            {
+                "chosen": hh(("Human", "q"), ("Assistant", "a"), ("Human", "ok")),
+                "rejected": hh(("Human", "q"), ("Assistant", "a"), ("Human", "no")),
+            }
+        ),
+        "malformed_turns",
+    ),
     (json.dumps({"prompt": "short", "chosen": "word " * 45, "rejected": "no"}), "too_long"),
     (json.dumps(good_hh(1)), "duplicate_pair"),
     (json.dumps(good_pcr(2)), "duplicate_pair"),
     *[(json.dumps(good_hh(number)), None) for number in range(10, 16)],
 ]
 EXPECTED_COUNTS = {
-    "malformed_json": 2, "missing_field": 2, "empty_reply": 2, "identical_replies": 1, "prompt_mismatch": 1,
-    "malformed_turns": 3, "too_long": 1, "duplicate_pair": 2,
+    "malformed_json": 2,
+    "missing_field": 2,
+    "empty_reply": 2,
+    "identical_replies": 1,
+    "prompt_mismatch": 1,
+    "malformed_turns": 3,
+    "too_long": 1,
+    "duplicate_pair": 2,
 }
 
 
@@ -100,8 +152,15 @@ def test_every_kind_of_bad_row_in_one_jsonl_gives_exact_counts(tmp_path: Path) -
     assert report.rows_read == len(BAD_AND_GOOD_LINES)
     assert report.pairs_kept == 8
     assert set(report.drops) == {
-        "malformed_json", "missing_field", "wrong_type", "empty_reply", "identical_replies", "prompt_mismatch",
-        "malformed_turns", "too_long", "duplicate_pair",
+        "malformed_json",
+        "missing_field",
+        "wrong_type",
+        "empty_reply",
+        "identical_replies",
+        "prompt_mismatch",
+        "malformed_turns",
+        "too_long",
+        "duplicate_pair",
     }
     expected_lines: dict[str, list[int]] = {}
     for line_number, (_, reason) in enumerate(BAD_AND_GOOD_LINES, start=1):
@@ -128,18 +187,25 @@ def test_parquet_variant_gives_exact_counts(tmp_path: Path) -> None:
         return hh(("Human", "q"), ("Assistant", reply))
 
     rows = [
-        good_hh(1), good_hh(2), good_hh(3), good_hh(4),
-        {"chosen": shared_prompt("a"), "rejected": None},                              # missing_field
-        {"chosen": shared_prompt(""), "rejected": shared_prompt("b")},                 # empty_reply
-        {"chosen": shared_prompt("x"), "rejected": shared_prompt("x")},                # identical_replies
+        good_hh(1),
+        good_hh(2),
+        good_hh(3),
+        good_hh(4),
+        {"chosen": shared_prompt("a"), "rejected": None},  # missing_field
+        {"chosen": shared_prompt(""), "rejected": shared_prompt("b")},  # empty_reply
+        {"chosen": shared_prompt("x"), "rejected": shared_prompt("x")},  # identical_replies
         {"chosen": shared_prompt("a"), "rejected": hh(("Human", "r"), ("Assistant", "b"))},  # prompt_mismatch
-        {"chosen": hh(("Assistant", "a")), "rejected": hh(("Assistant", "b"))},         # malformed_turns
-        good_hh(2),                                                                     # duplicate_pair
+        {"chosen": hh(("Assistant", "a")), "rejected": hh(("Assistant", "b"))},  # malformed_turns
+        good_hh(2),  # duplicate_pair
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
     report = prepare_preference_data([tmp_path / "pairs.parquet"], tmp_path / "out", SETTINGS, word_lengths)
     assert drop_counts(report) == {
-        "missing_field": 1, "empty_reply": 1, "identical_replies": 1, "prompt_mismatch": 1, "malformed_turns": 1,
+        "missing_field": 1,
+        "empty_reply": 1,
+        "identical_replies": 1,
+        "prompt_mismatch": 1,
+        "malformed_turns": 1,
         "duplicate_pair": 1,
     }
     assert report.drops["duplicate_pair"].examples[0].line == 10
@@ -154,9 +220,13 @@ def test_outputs_round_trip_and_report_matches_them(tmp_path: Path) -> None:
     pairs = {name: load_split(out_dir, name) for name in ("rm_train", "rm_val", "eval")}
     sft, ppo = load_split(out_dir, "sft"), load_split(out_dir, "ppo_prompts")
     ppo_val, ppo_pairs = load_split(out_dir, "ppo_val_prompts"), load_split(out_dir, "ppo_pairs")
-    assert report.split_counts == {**{name: len(items) for name, items in pairs.items()}, "sft": len(sft),
-                                   "ppo_prompts": len(ppo), "ppo_val_prompts": len(ppo_val),
-                                   "ppo_pairs": len(ppo_pairs)}
+    assert report.split_counts == {
+        **{name: len(items) for name, items in pairs.items()},
+        "sft": len(sft),
+        "ppo_prompts": len(ppo),
+        "ppo_val_prompts": len(ppo_val),
+        "ppo_pairs": len(ppo_pairs),
+    }
     # one pair per prompt: the PPO bucket's pairs are its training and validation prompts
     assert {pair.prompt_id for pair in ppo_pairs} == {prompt.prompt_id for prompt in ppo + ppo_val}
     assert len(ppo_pairs) == len(ppo) + len(ppo_val)
@@ -180,6 +250,7 @@ def test_token_length_statistics_match_a_reference(tmp_path: Path) -> None:
     rows = [{"prompt": "w " * (n + 1), "chosen": "c " * (2 * n + 1), "rejected": "r " * (n % 7 + 1)} for n in range(15)]
     source = write_jsonl(tmp_path / "lengths.jsonl", [json.dumps(row) for row in rows])
     report = prepare_preference_data([source], tmp_path / "out", SETTINGS, word_lengths)
+
     def total_words(row: dict) -> int:
         return row["prompt"].count("w") + max(row["chosen"].count("c"), row["rejected"].count("r"))
 
@@ -202,7 +273,8 @@ def test_content_hash_and_multiple_sources(tmp_path: Path) -> None:
     second.write_bytes(gzip.compress(("\n".join(json.dumps(good_pcr(n)) for n in range(10)) + "\n").encode()))
     report = prepare_preference_data([first, second], tmp_path / "out", SETTINGS, word_lengths)
     assert [(s.name, s.rows, s.formats) for s in report.sources] == [
-        ("a.jsonl", 10, {"hh_transcript": 10}), ("b.jsonl.gz", 10, {"prompt_chosen_rejected": 10}),
+        ("a.jsonl", 10, {"hh_transcript": 10}),
+        ("b.jsonl.gz", 10, {"prompt_chosen_rejected": 10}),
     ]
     assert report.sources[1].sha256 == hashlib.sha256(second.read_bytes()).hexdigest()
     again = prepare_preference_data([first, second], tmp_path / "out2", SETTINGS, word_lengths)

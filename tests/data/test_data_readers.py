@@ -38,7 +38,11 @@ def test_jsonl_rows_carry_source_and_line_and_bad_lines_become_drops(tmp_path: P
     )
     items = read_all(path)
     assert [(type(item).__name__, item.line) for item in items] == [
-        ("RawRow", 1), ("Drop", 3), ("Drop", 4), ("Drop", 5), ("RawRow", 6),
+        ("RawRow", 1),
+        ("Drop", 3),
+        ("Drop", 4),
+        ("Drop", 5),
+        ("RawRow", 6),
     ]
     assert all(item.source == "pairs.jsonl" for item in items)
     assert {item.reason for item in items if isinstance(item, Drop)} == {DropReason.MALFORMED_JSON}
@@ -115,7 +119,9 @@ def test_missing_unsupported_and_invalid_inputs_raise_naming_them(tmp_path: Path
         read_all(tmp_path / "bad.parquet")
 
 
-LATIN_ROWS = [{"prompt": f"Café numéro {index}?", "chosen": "Oui, très bien.", "rejected": "Non."} for index in range(4)]
+LATIN_ROWS = [
+    {"prompt": f"Café numéro {index}?", "chosen": "Oui, très bien.", "rejected": "Non."} for index in range(4)
+]
 LATIN_TEXT = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in LATIN_ROWS)
 FIRST_ACCENT = LATIN_TEXT.encode("latin-1").index(b"\xe9")
 
@@ -127,8 +133,15 @@ FIRST_ACCENT = LATIN_TEXT.encode("latin-1").index(b"\xe9")
         ("bom16.jsonl", LATIN_TEXT.encode("utf-16"), 0, "UTF-16-LE (it starts with that byte-order mark)"),
         ("plain16.jsonl", LATIN_TEXT.encode("utf-16-be"), 0, "UTF-16-BE"),
         ("wide32.json", json.dumps(LATIN_ROWS, ensure_ascii=False).encode("utf-32-le"), 1, "UTF-32-LE"),
-        ("sjis.jsonl", json.dumps({"prompt": "日本語の質問です", "chosen": "はい", "rejected": "いいえ"}, ensure_ascii=False)
-         .encode("shift_jis") + b"\n", 12, "a multi-byte legacy encoding"),
+        (
+            "sjis.jsonl",
+            json.dumps(
+                {"prompt": "日本語の質問です", "chosen": "はい", "rejected": "いいえ"}, ensure_ascii=False
+            ).encode("shift_jis")
+            + b"\n",
+            12,
+            "a multi-byte legacy encoding",
+        ),
     ],
 )
 def test_a_file_that_is_not_utf8_fails_naming_offset_and_encoding(
@@ -149,8 +162,11 @@ def test_a_file_that_is_not_utf8_fails_naming_offset_and_encoding(
 def test_a_gz_file_that_is_not_utf8_names_the_offset_in_the_decompressed_data(tmp_path: Path) -> None:
     path = tmp_path / "latin1.jsonl.gz"
     path.write_bytes(gzip.compress(("\n" + LATIN_TEXT).encode("latin-1")))
-    with pytest.raises(DataSourceError, match=rf"byte 0xE9 is not valid UTF-8 at byte offset {FIRST_ACCENT + 1} "
-                                              r"of the decompressed data \(line 2\); the file looks like Windows-1252"):
+    with pytest.raises(
+        DataSourceError,
+        match=rf"byte 0xE9 is not valid UTF-8 at byte offset {FIRST_ACCENT + 1} "
+        r"of the decompressed data \(line 2\); the file looks like Windows-1252",
+    ):
         read_all(path)
 
 

@@ -65,8 +65,12 @@ def test_assignment_matches_reference_and_fractions_are_roughly_respected() -> N
 def test_no_prompt_in_two_splits_and_normalised_copies_stay_together() -> None:
     pairs = make_pairs(range(300))
     splits = split_pairs(pairs, CONFIG)
-    groups = [prompt_ids(splits.rm_train), prompt_ids(splits.rm_val), prompt_ids(splits.eval),
-              {prompt.prompt_id for prompt in splits.ppo_prompts}]
+    groups = [
+        prompt_ids(splits.rm_train),
+        prompt_ids(splits.rm_val),
+        prompt_ids(splits.eval),
+        {prompt.prompt_id for prompt in splits.ppo_prompts},
+    ]
     for first in range(len(groups)):
         for second in range(first + 1, len(groups)):
             assert not groups[first] & groups[second]
@@ -94,8 +98,15 @@ def test_adding_data_keeps_every_prompt_in_its_split_regardless_of_order() -> No
 
 def test_caps_keep_lowest_hash_pairs_independent_of_order_and_never_move_the_rest() -> None:
     capped = SplitConfig(
-        eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.3, salt="test-salt",
-        max_eval_pairs=7, max_rm_val_pairs=5, max_rm_train_pairs=40, max_ppo_prompts=9, max_sft_examples=30,
+        eval_fraction=0.1,
+        rm_val_fraction=0.1,
+        ppo_fraction=0.3,
+        salt="test-salt",
+        max_eval_pairs=7,
+        max_rm_val_pairs=5,
+        max_rm_train_pairs=40,
+        max_ppo_prompts=9,
+        max_sft_examples=30,
     )
     pairs = make_pairs(range(400))
     uncapped = split_pairs(pairs, CONFIG)
@@ -143,6 +154,7 @@ def test_caps_keep_earlier_choices_when_data_grows_within_the_cap_range() -> Non
     for pair in small.eval:
         assert (pair.pair_id in large_ids) == (rank(pair) <= threshold)
 
+
 def test_sft_examples_come_from_rm_train_only_one_per_prompt_and_reply() -> None:
     pairs = make_pairs(range(200))
     duplicate_chosen = PreferencePair(pairs[0].prompt, pairs[0].chosen, "another bad answer", "synthetic.jsonl", 999)
@@ -163,7 +175,9 @@ def test_ppo_prompts_are_distinct_and_disjoint_from_eval_rm_val_and_rm_train() -
 
 
 def test_ppo_validation_prompts_are_the_first_hash_slice_of_the_ppo_bucket_and_never_trained_on() -> None:
-    config = SplitConfig(eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.3, ppo_val_fraction=0.1, salt="test-salt")
+    config = SplitConfig(
+        eval_fraction=0.1, rm_val_fraction=0.1, ppo_fraction=0.3, ppo_val_fraction=0.1, salt="test-salt"
+    )
     pairs = make_pairs(range(400))
     splits = split_pairs(pairs, config)
     validation = [prompt.prompt_id for prompt in splits.ppo_val_prompts]

@@ -24,10 +24,10 @@ def pair(line: int, chosen: str = "yes", prompt: str = "q") -> PreferencePair:
     ("lengths", "max_prompt", "dropped"),
     [
         (TokenLengths(10, 50, 40), None, False),
-        (TokenLengths(10, 51, 40), None, True),   # longer side over max_total_tokens=50
-        (TokenLengths(10, 40, 51), None, True),   # the rejected side counts too
+        (TokenLengths(10, 51, 40), None, True),  # longer side over max_total_tokens=50
+        (TokenLengths(10, 40, 51), None, True),  # the rejected side counts too
         (TokenLengths(30, 45, 40), 30, False),
-        (TokenLengths(31, 45, 40), 30, True),     # prompt over max_prompt_tokens
+        (TokenLengths(31, 45, 40), 30, True),  # prompt over max_prompt_tokens
     ],
 )
 def test_check_token_length(lengths: TokenLengths, max_prompt: int | None, dropped: bool) -> None:

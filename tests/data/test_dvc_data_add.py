@@ -3,7 +3,8 @@
 Each test works in a fresh git + DVC repository under tmp_path that carries the project's own DVC setup
 (.dvc/config, .dvcignore), params.yaml and the tiny overlay; the S3 remote is configured with the commands
 data/README.md documents. The fresh-clone test adds the pipeline (dvc.yaml and the code its first stage
-depends on) and runs data/README.md's fresh-clone commands as written in a `git clone` of it. The data version is checked against DVC's directory hash written out in plain
+depends on) and runs data/README.md's fresh-clone commands as written in a `git clone` of it. The data version is
+checked against DVC's directory hash written out in plain
 code: the md5 of the sorted JSON list of {"md5", "relpath"} of the files.
 """
 
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner, Result
+
 from fixtures.paths import ROOT
 from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from fixtures.servers import S3Server
-from typer.testing import CliRunner, Result
-
 from rlhf_cli.data_commands import RawDataMismatchError, data_app
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.output_lock import OutputLockedError, output_lock
@@ -176,8 +177,11 @@ def test_a_second_file_reports_rows_whose_prompt_is_in_the_evaluation_split(
     repo, prefix, first_version = added_repo
     second = write_pairs(
         repo.parent / "second.jsonl",
-        [("A brand new question about gardening?", "Water it."), (EVAL_PROMPT, "A second, better answer."),
-         (OTHER_PROMPT, "A second, better answer.")],
+        [
+            ("A brand new question about gardening?", "Water it."),
+            (EVAL_PROMPT, "A second, better answer."),
+            (OTHER_PROMPT, "A second, better answer."),
+        ],
     )
     result = rlhf_data("add", str(second), "--remote", "s3", "--config", "configs/tiny.yaml")
     assert result.exit_code == 0, result.output
@@ -203,9 +207,12 @@ def test_a_file_with_bad_rows_is_rejected_and_changes_nothing(
     bad = repo.parent / "bad.jsonl"
     bad.write_text(
         "{not json\n"
-        + json.dumps({"prompt": "Q?", "chosen": "Same.", "rejected": "Same."}) + "\n"
-        + json.dumps({"question": "no preference fields"}) + "\n"
-        + json.dumps({"prompt": "Q2?", "chosen": "", "rejected": "No."}) + "\n",
+        + json.dumps({"prompt": "Q?", "chosen": "Same.", "rejected": "Same."})
+        + "\n"
+        + json.dumps({"question": "no preference fields"})
+        + "\n"
+        + json.dumps({"prompt": "Q2?", "chosen": "", "rejected": "No."})
+        + "\n",
         encoding="utf-8",
     )
     result = rlhf_data("add", str(bad), "--remote", "s3", "--config", "configs/tiny.yaml")

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT
-
 from tasks.data.dvc_data import data_version, dvc_add, raw_data_status
 
 pytestmark = pytest.mark.slow  # git and dvc subprocesses

@@ -20,15 +20,22 @@ import yaml
 from click import Command
 from dvc.repo import Repo
 from dvc.stage import PipelineStage
+
 from fixtures.paths import PARAMS, ROOT
 from fixtures.project_repos import copy_project_files, git
-
 from rlhf_cli.data_commands import DEFAULT_RAW_DIR
 from rlhf_cli.main import app
 from tasks.data.dvc_data import data_version, dvc_add, run_dvc
 
-PIPELINE_FILES = ("dvc.yaml", "overlays.yaml", "params.yaml", ".dvc/config", ".dvc/.gitignore", ".dvcignore",
-                  ".gitignore")
+PIPELINE_FILES = (
+    "dvc.yaml",
+    "overlays.yaml",
+    "params.yaml",
+    ".dvc/config",
+    ".dvc/.gitignore",
+    ".dvcignore",
+    ".gitignore",
+)
 COMMON_OPTIONS = {"--config", "-c", "--set", "-s", "--params", "--out"}
 CONTRACT_PENDING_COMMANDS = {
     "sft": COMMON_OPTIONS | {"--data-dir"},
@@ -36,15 +43,34 @@ CONTRACT_PENDING_COMMANDS = {
     "ppo": COMMON_OPTIONS | {"--data-dir", "--sft-dir", "--rm-dir"},
 }
 CONTRACT_PENDING_FILES = {"rlhf_core/stages/sft.py", "rlhf_core/stages/reward.py", "rlhf_core/stages/ppo.py"}
-STAGE_COMMANDS = {"prepare_data": "prepare-data", "sft": "sft", "train_rm": "train-rm", "judge_rm": "judge-rm",
-                  "ppo": "ppo"}
-STAGE_MODULES = {"prepare_data": "rlhf_core.stages.prepare_data", "sft": "rlhf_core.stages.sft",
-                 "train_rm": "rlhf_core.stages.reward", "judge_rm": "rlhf_core.stages.judge_reward",
-                 "ppo": "rlhf_core.stages.ppo"}
-STAGE_OUT_DIRS = {"prepare_data": "artifacts/data", "sft": "artifacts/sft", "train_rm": "artifacts/reward",
-                  "judge_rm": "artifacts/judge_reward", "ppo": "artifacts/ppo"}
-UPSTREAM = {"prepare_data": set(), "sft": {"prepare_data"}, "train_rm": {"prepare_data", "sft"},
-            "judge_rm": {"prepare_data"}, "ppo": {"prepare_data", "sft", "train_rm"}}
+STAGE_COMMANDS = {
+    "prepare_data": "prepare-data",
+    "sft": "sft",
+    "train_rm": "train-rm",
+    "judge_rm": "judge-rm",
+    "ppo": "ppo",
+}
+STAGE_MODULES = {
+    "prepare_data": "rlhf_core.stages.prepare_data",
+    "sft": "rlhf_core.stages.sft",
+    "train_rm": "rlhf_core.stages.reward",
+    "judge_rm": "rlhf_core.stages.judge_reward",
+    "ppo": "rlhf_core.stages.ppo",
+}
+STAGE_OUT_DIRS = {
+    "prepare_data": "artifacts/data",
+    "sft": "artifacts/sft",
+    "train_rm": "artifacts/reward",
+    "judge_rm": "artifacts/judge_reward",
+    "ppo": "artifacts/ppo",
+}
+UPSTREAM = {
+    "prepare_data": set(),
+    "sft": {"prepare_data"},
+    "train_rm": {"prepare_data", "sft"},
+    "judge_rm": {"prepare_data"},
+    "ppo": {"prepare_data", "sft", "train_rm"},
+}
 TINY_OVERLAY = "overlays.yaml:overlay.config=[configs/tiny.yaml]"
 
 
@@ -156,7 +182,8 @@ def test_every_stage_depends_on_all_the_code_its_stage_function_imports(stages: 
             continue  # a stage of the contract that is not written yet
         deps = [dep.def_path for dep in stage.deps]
         uncovered = sorted(
-            path for path in imported_rlhf_core_files(STAGE_MODULES[name])
+            path
+            for path in imported_rlhf_core_files(STAGE_MODULES[name])
             if not any(path == dep or path.startswith(dep + "/") for dep in deps)
         )
         assert uncovered == [], f"{name}: add to its deps in dvc.yaml: {uncovered}"
@@ -187,7 +214,10 @@ def test_no_stage_output_is_cached_and_everything_lies_in_the_stage_directory(
         assert metrics == [f"{STAGE_OUT_DIRS[name]}/metrics.json"]
     model_outs = [out.def_path for stage in stages.values() for out in stage.outs if out.def_path.endswith("/model")]
     assert model_outs == [
-        "artifacts/sft/model", "artifacts/reward/model", "artifacts/judge_reward/model", "artifacts/ppo/model"
+        "artifacts/sft/model",
+        "artifacts/reward/model",
+        "artifacts/judge_reward/model",
+        "artifacts/ppo/model",
     ]
     assert [out.def_path for stage in stages.values() for out in stage.outs if out.plot] == [
         "artifacts/sft/plots/sft_curves.png",
@@ -199,8 +229,10 @@ def test_no_stage_output_is_cached_and_everything_lies_in_the_stage_directory(
 
 def write_pairs(path: Path, count: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"prompt": f"How do I fix problem number {index}?", "chosen": "Carefully, step by step.",
-             "rejected": "No."} for index in range(count)]
+    rows = [
+        {"prompt": f"How do I fix problem number {index}?", "chosen": "Carefully, step by step.", "rejected": "No."}
+        for index in range(count)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fixtures.pairs import word_lengths
 
+from fixtures.pairs import word_lengths
 from rlhf_core.config import DataConfig
 from rlhf_core.data.prepare import split_config
 from rlhf_core.data.records import DropReason, PreferencePair
@@ -80,8 +80,13 @@ def test_new_rows_whose_prompt_is_an_evaluation_prompt_are_reported(raw_dir: Pat
 
     assert [pair.line for pair in report.eval_overlap] == [2, 4]
     assert (report.rows, len(report.pairs), report.drops.total) == (5, 5, 0)
-    new_prompts = ["A brand new question about gardening?", EVAL_PROMPTS[0], OTHER_PROMPTS[0], respaced,
-                   "A second brand new question about cooking?"]
+    new_prompts = [
+        "A brand new question about gardening?",
+        EVAL_PROMPTS[0],
+        OTHER_PROMPTS[0],
+        respaced,
+        "A second brand new question about cooking?",
+    ]
     assert report.pairs_by_split.get("eval", 0) == sum(reference_is_eval(prompt) for prompt in new_prompts)
     assert sum(report.pairs_by_split.values()) == 5
     summary = report.summary()
@@ -108,15 +113,19 @@ def test_a_row_already_in_the_raw_data_is_a_duplicate(raw_dir: Path, tmp_path: P
 
 def test_the_same_file_under_a_new_name_is_refused_as_all_duplicates(raw_dir: Path, tmp_path: Path) -> None:
     copy = shutil.copyfile(raw_dir / "first.jsonl", tmp_path / "again.jsonl")
-    with pytest.raises(DataValidationError, match=r"no valid preference pairs remain; kept 0/60 rows; "
-                                                  r"drops by reason: duplicate_pair=60"):
+    with pytest.raises(
+        DataValidationError,
+        match=r"no valid preference pairs remain; kept 0/60 rows; "
+        r"drops by reason: duplicate_pair=60",
+    ):
         check_new_file(Path(copy), raw_dir, SETTINGS, word_lengths)
 
 
 def test_drops_within_max_drop_fraction_are_accepted_and_counted(raw_dir: Path, tmp_path: Path) -> None:
     long_reply = " ".join(["word"] * 50)  # 50 words > max_total_tokens=40
-    new = write_jsonl(tmp_path / "new.jsonl", [row("Q1?"), row("Q2?", chosen=long_reply), row("Q3?", "Same", "Same"),
-                                               row("Q4?")])
+    new = write_jsonl(
+        tmp_path / "new.jsonl", [row("Q1?"), row("Q2?", chosen=long_reply), row("Q3?", "Same", "Same"), row("Q4?")]
+    )
     report = check_new_file(new, raw_dir, SETTINGS, word_lengths)
     assert [pair.line for pair in report.pairs] == [1, 4]
     assert report.drops.counts == {DropReason.TOO_LONG: 1, DropReason.IDENTICAL_REPLIES: 1}
@@ -151,8 +160,10 @@ def test_a_name_already_in_the_raw_data_is_refused(raw_dir: Path, tmp_path: Path
 
 
 def test_eval_prompt_ids_follow_the_prompt_hash_split() -> None:
-    pairs = [PreferencePair(({"role": "user", "content": prompt},), "a", "b", "f", line)
-             for line, prompt in enumerate(PROMPTS, start=1)]
+    pairs = [
+        PreferencePair(({"role": "user", "content": prompt},), "a", "b", "f", line)
+        for line, prompt in enumerate(PROMPTS, start=1)
+    ]
     expected = {pair.prompt_id for pair, prompt in zip(pairs, PROMPTS, strict=True) if reference_is_eval(prompt)}
     assert eval_prompt_ids(pairs, split_config(SETTINGS)) == expected
     assert find_eval_overlap(pairs, expected) == [pair for pair in pairs if pair.prompt_id in expected]
@@ -193,10 +204,18 @@ def test_an_interrupted_merge_leaves_nothing_behind(tmp_path: Path, monkeypatch:
 
 
 def test_the_summary_lists_the_first_overlapping_rows_and_counts_the_rest() -> None:
-    overlap = [PreferencePair(({"role": "user", "content": f"Question {line}?"},), "a", "b", "new.jsonl", line)
-               for line in range(1, OVERLAP_ROWS_SHOWN + 6)]
-    report = NewFileReport(name="new.jsonl", rows=len(overlap), pairs=overlap, drops=DropLog(),
-                           eval_overlap=overlap, pairs_by_split={"eval": len(overlap)})
+    overlap = [
+        PreferencePair(({"role": "user", "content": f"Question {line}?"},), "a", "b", "new.jsonl", line)
+        for line in range(1, OVERLAP_ROWS_SHOWN + 6)
+    ]
+    report = NewFileReport(
+        name="new.jsonl",
+        rows=len(overlap),
+        pairs=overlap,
+        drops=DropLog(),
+        eval_overlap=overlap,
+        pairs_by_split={"eval": len(overlap)},
+    )
     lines = report.summary().splitlines()
     assert lines[0] == f"new.jsonl: {len(overlap)} of {len(overlap)} rows are new valid pairs (dropped: none)"
     assert lines[1] == f"new pairs by split: eval {len(overlap)}, rm_val 0, ppo 0, rm_train 0"

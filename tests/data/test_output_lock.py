@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import save_rm_output, save_sft_output, tiny_config  # noqa: F401
-
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.output_lock import OutputLockedError, lock_path, output_lock
 from rlhf_core.stages.evaluate import run_evaluate
@@ -119,7 +119,11 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(
 
 def test_the_lock_is_not_reentrant_and_is_free_again_after_release(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with output_lock(out, "sft"), pytest.raises(OutputLockedError, match=f"pid {os.getpid()} "), output_lock(out, "sft"):
+    with (
+        output_lock(out, "sft"),
+        pytest.raises(OutputLockedError, match=f"pid {os.getpid()} "),
+        output_lock(out, "sft"),
+    ):
         pass
     with output_lock(out, "sft"):
         assert lock_pid(out) == os.getpid()
@@ -214,9 +218,22 @@ def test_two_rlhf_eval_runs_into_one_out_dir_cannot_mix_their_outputs(
 
     def rlhf_eval(max_prompts: int) -> subprocess.Popen[str]:
         return rlhf(
-            "eval", "-c", TINY, "-s", f"evaluation.max_prompts={max_prompts}",
-            "--a", sft_dir, "--b", sft_dir, "--allow-same",
-            "--rm-dir", rm_dir, "--data-dir", data_dir, "--out", out,
+            "eval",
+            "-c",
+            TINY,
+            "-s",
+            f"evaluation.max_prompts={max_prompts}",
+            "--a",
+            sft_dir,
+            "--b",
+            sft_dir,
+            "--allow-same",
+            "--rm-dir",
+            rm_dir,
+            "--data-dir",
+            data_dir,
+            "--out",
+            out,
         )
 
     first = rlhf_eval(8)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fixtures.commands import run_main
 from fixtures.file_systems import full_tmpfs, read_only_directory, small_tmpfs
 from fixtures.paths import PARAMS, TINY
 from fixtures.tiny_ppo import hh_pair
-
 from rlhf_core.atomic import atomic_directory, atomic_write_text
 from rlhf_core.layout import METRICS_FILE
 from rlhf_core.write_failures import OutputWriteError, naming_failed_writes
@@ -181,14 +181,26 @@ def test_sft_onto_a_full_disk_is_one_line_and_leaves_no_metrics(
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     with small_tmpfs(tmp_path / "disk", size_kib=2048) as disk:
-        argv = ["sft", "-c", str(TINY), "--params", str(PARAMS), "--data-dir", str(data_dir), "--out", str(disk / "sft")]
+        argv = [
+            "sft",
+            "-c",
+            str(TINY),
+            "--params",
+            str(PARAMS),
+            "--data-dir",
+            str(data_dir),
+            "--out",
+            str(disk / "sft"),
+        ]
         status, stderr = run_main(argv, monkeypatch, capsys)
         assert status == 1
         assert stderr.splitlines() == [f"rlhf: error: cannot write {disk / 'sft'}: no space left on device"]
         assert not (disk / "sft" / METRICS_FILE).exists() and not (disk / "sft" / "model").exists()
 
 
-def run_tiny_pipeline(runs_dir: Path, pairs_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def run_tiny_pipeline(
+    runs_dir: Path, pairs_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
     """`rlhf run` on the tiny configuration into `runs_dir`, in this process: status and stderr."""
     argv = ["run", "-c", str(TINY), "--params", str(PARAMS), "--data", str(pairs_file), "--runs-dir", str(runs_dir)]
     return run_main(argv, monkeypatch, capsys)
@@ -196,14 +208,20 @@ def run_tiny_pipeline(runs_dir: Path, pairs_file: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.slow  # runs the pipeline's flow against the test Prefect server up to its SFT stage
 def test_rlhf_run_onto_a_full_disk_stops_at_once_naming_the_stage_output(
-    tmp_path: Path, pairs_file: Path, mlflow_store: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    pairs_file: Path,
+    mlflow_store: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """2 MiB for the runs directory: data preparation fits, SFT's first checkpoint does not. The stage is
     not retried (a full disk stays full), its output has no metrics.json, and the last line names it."""
     with small_tmpfs(tmp_path / "disk", size_kib=2048) as disk:
         status, stderr = run_tiny_pipeline(disk / "runs", pairs_file, monkeypatch, capsys)
         assert status == 1
-        (run_dir,) = [path for path in (disk / "runs").iterdir() if not path.name.startswith(".") and path.name != "logs"]
+        (run_dir,) = [
+            path for path in (disk / "runs").iterdir() if not path.name.startswith(".") and path.name != "logs"
+        ]
         # The traceback goes to the run's log file, named in the line if that file could take it.
         last = f"rlhf: error: stage sft failed: cannot write {run_dir / 'sft'}: no space left on device"
         assert re.fullmatch(rf"{re.escape(last)}( \(traceback in .+\))?", stderr.splitlines()[-1]), stderr[-2000:]
@@ -213,7 +231,11 @@ def test_rlhf_run_onto_a_full_disk_stops_at_once_naming_the_stage_output(
 
 @pytest.mark.slow  # runs the pipeline's flow against the test Prefect server
 def test_rlhf_run_into_a_read_only_runs_directory_is_one_line_naming_it(
-    tmp_path: Path, pairs_file: Path, mlflow_store: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    pairs_file: Path,
+    mlflow_store: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     with read_only_directory(tmp_path / "ro") as directory:
         status, stderr = run_tiny_pipeline(directory / "runs", pairs_file, monkeypatch, capsys)
@@ -222,7 +244,8 @@ def test_rlhf_run_into_a_read_only_runs_directory_is_one_line_naming_it(
         # The first stage's output (runs/<run id>/data) is the first thing written, and the line names it
         # (and no log file: the runs directory cannot take one).
         assert re.fullmatch(
-            rf"rlhf: error: stage prepare-data failed: cannot write {re.escape(str(directory))}/runs/[\w-]+/data: {reason}",
+            rf"rlhf: error: stage prepare-data failed: cannot write "
+            rf"{re.escape(str(directory))}/runs/[\w-]+/data: {reason}",
             stderr.splitlines()[-1],
         ), stderr[-2000:]
         assert "Logging error" not in stderr

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from fixtures.paths import PARAMS, TINY
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import hh_pair, tiny_config
-from typer.testing import CliRunner
-
 from rlhf_cli import stage_commands
 from rlhf_core.stages.prepare_data import run_prepare_data
 
@@ -20,9 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow
-def test_sft_command_launches_the_configured_processes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sft_command_launches_the_configured_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "pairs.jsonl"
     source.write_text("".join(json.dumps(hh_pair(i)) + "\n" for i in range(60)))
     run_prepare_data(tiny_config(), tmp_path / "data", source=str(source))

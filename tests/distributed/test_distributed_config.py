@@ -14,9 +14,7 @@ import pytest
 from rlhf_core.config import ConfigError, DistributedConfig
 from rlhf_core.distributed.deepspeed_config import EngineSettings, render_deepspeed_config, template_path
 
-SETTINGS = EngineSettings(
-    micro_batch_size=4, grad_accum_steps=8, lr=2e-5, max_grad_norm=1.0, weight_decay=0.1
-)
+SETTINGS = EngineSettings(micro_batch_size=4, grad_accum_steps=8, lr=2e-5, max_grad_norm=1.0, weight_decay=0.1)
 
 
 def deepspeed_accepts(config: dict) -> None:
@@ -71,21 +69,15 @@ def test_a_template_may_not_pin_what_params_yaml_sets(tmp_path: Path) -> None:
     template["gradient_accumulation_steps"] = 4
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(template))
-    with pytest.raises(
-        ConfigError, match='gradient_accumulation_steps is 4, but params.yaml sets it.*"auto"'
-    ):
-        render_deepspeed_config(
-            DistributedConfig(config_template=str(path)), SETTINGS, world_size=1, bf16=False
-        )
+    with pytest.raises(ConfigError, match='gradient_accumulation_steps is 4, but params.yaml sets it.*"auto"'):
+        render_deepspeed_config(DistributedConfig(config_template=str(path)), SETTINGS, world_size=1, bf16=False)
 
 
 def test_auto_outside_the_owned_keys_and_missing_templates_are_errors(tmp_path: Path) -> None:
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": "auto"}}))
     with pytest.raises(ConfigError, match="no value for zero_optimization.reduce_bucket_size"):
-        render_deepspeed_config(
-            DistributedConfig(config_template=str(path)), SETTINGS, world_size=1, bf16=False
-        )
+        render_deepspeed_config(DistributedConfig(config_template=str(path)), SETTINGS, world_size=1, bf16=False)
     missing = DistributedConfig(config_template=str(tmp_path / "absent.json"))
     with pytest.raises(ConfigError, match="distributed.config_template: DeepSpeed config template not found"):
         render_deepspeed_config(missing, SETTINGS, world_size=1, bf16=False)

@@ -2,7 +2,8 @@
 
 Two CPU processes run tests/scripts/distributed_rank_probe.py: every rank's output reaches the callback
 with the rank it came from, and when a rank raises, the error names that rank and its message (not the
-secondary error of the rank that lost its peer), with the rank's last log lines; a rank that dies without a Python error is shown by every rank's last lines.
+secondary error of the rank that lost its peer), with the rank's last log lines; a rank that dies without a Python
+error is shown by every rank's last lines.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.paths import SCRIPTS
 
+from fixtures.paths import SCRIPTS
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.launcher import Launch, LaunchStoppedError, RankFailedError, launcher_command, run_launch
 
@@ -44,9 +45,7 @@ def test_multi_node_command_names_the_hostfile(tmp_path: Path) -> None:
     spec = Launch(
         module="m",
         args=[],
-        distributed=DistributedConfig(
-            num_processes=8, num_nodes=2, hostfile="/etc/hosts.ds", master_addr="10.0.0.1"
-        ),
+        distributed=DistributedConfig(num_processes=8, num_nodes=2, hostfile="/etc/hosts.ds", master_addr="10.0.0.1"),
         log_dir=tmp_path,
     )
     command = launcher_command(spec)
@@ -61,7 +60,7 @@ def test_failing_rank_is_named_with_its_message_and_every_rank_is_streamed(tmp_p
     with pytest.raises(RankFailedError) as raised:
         run_launch(
             probe_launch(tmp_path, "--fail-rank", "1", "--message", "bad shard 7"),
-            lambda r, l: lines.append((r, l)),
+            lambda rank, line: lines.append((rank, line)),
         )
     error = raised.value
     assert error.rank == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
@@ -27,7 +28,6 @@ from fixtures.distributed_runs import (
 )
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
-
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.ppo import run_ppo
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
@@ -22,7 +23,6 @@ from fixtures.distributed_runs import (
 )
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
-
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.reward import run_train_rm
 

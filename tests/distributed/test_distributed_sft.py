@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from fixtures.distributed_runs import (
     RankLog,
     assert_disjoint_shards,
@@ -26,7 +27,6 @@ from fixtures.distributed_runs import (
 )
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import tiny_config
-
 from rlhf_core.distributed.launcher import launch_stage
 from rlhf_core.stages.sft import run_sft
 

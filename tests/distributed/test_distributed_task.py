@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fixtures.pairs import write_topic_pairs
-from fixtures.paths import PARAMS, TINY
-from fixtures.servers import free_port
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
+from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY
+from fixtures.servers import free_port
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from tasks.tracking.mlflow_runs import STAGE_TAG
 
@@ -57,9 +57,7 @@ def flow_log_messages(flow_run_id) -> list[str]:
     return [log.message for log in logs]
 
 
-def test_two_rank_sft_streams_both_ranks_and_tracks_rank_0s_metrics(
-    project: MlflowClient, tmp_path: Path
-) -> None:
+def test_two_rank_sft_streams_both_ranks_and_tracks_rank_0s_metrics(project: MlflowClient, tmp_path: Path) -> None:
     state = rlhf_pipeline(two_rank_sft(write_topic_pairs(tmp_path / "pairs.jsonl", 60)), return_state=True)
     assert state.is_completed(), state.message
     messages = flow_log_messages(state.state_details.flow_run_id)

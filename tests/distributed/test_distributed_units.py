@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.gloo_ranks import on_two_gloo_ranks
 
+from fixtures.gloo_ranks import on_two_gloo_ranks
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.collectives import (
     computed_on_main,
@@ -46,9 +46,7 @@ def test_a_multi_process_config_refuses_to_run_alone(monkeypatch: pytest.MonkeyP
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     assert stage_context(DistributedConfig()).world_size == 1
-    with pytest.raises(
-        RankEnvironmentError, match="num_processes \\* num_nodes = 2, but this process was not started"
-    ):
+    with pytest.raises(RankEnvironmentError, match="num_processes \\* num_nodes = 2, but this process was not started"):
         stage_context(DistributedConfig(num_processes=2))
 
 

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
+
 from fixtures.distributed_runs import RankLog
 from fixtures.paths import SCRIPTS
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs
-
 from rlhf_core.config import DistributedConfig
 from rlhf_core.distributed.launcher import Launch, run_launch
 
@@ -48,9 +48,7 @@ def test_one_whole_policy_gather_per_rollout_and_none_inside_generate(
     )
     run_launch(spec, log)
 
-    results = {
-        rank: json.loads(line.removeprefix("ZERO3 ")) for rank, line in log.lines if line.startswith("ZERO3 ")
-    }
+    results = {rank: json.loads(line.removeprefix("ZERO3 ")) for rank, line in log.lines if line.startswith("ZERO3 ")}
     assert sorted(results) == [0, 1]
     for rank, result in results.items():
         assert (result["rank"], result["world_size"], result["partitioned"]) == (rank, 2, True)

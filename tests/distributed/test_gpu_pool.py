@@ -15,9 +15,6 @@ ablation starts no stage run (the remote variants are cached like local ones).
 """
 
 import json
-import os
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,35 +22,32 @@ from uuid import UUID
 
 import pytest
 from botocore.client import BaseClient
-from fixtures.pairs import write_topic_pairs
-from fixtures.paths import PARAMS, TINY, TINY_GRID
-from fixtures.servers import S3Server, _Server, log_tail, start_server, stop_server
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.deployments.runner import EntrypointType
-from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from prefect.workers.process import ProcessWorker
 
+from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY, TINY_GRID
+from fixtures.servers import S3Server, _Server, log_tail, stop_server
+from fixtures.work_pools import PIPELINE_DEPLOYMENT_NAME, deploy_to_pools, start_worker, wait_for_workers, worker_env
 from flows.ablation import ABLATIONS_SUBDIR, COMPARISON_DIR, FLOW_TAG, rlhf_ablation
-from flows.deployments import CPU_POOL, DEPLOYMENTS, GPU_POOL
+from flows.deployments import CPU_POOL, GPU_POOL
 from flows.pipeline import rlhf_pipeline
 from rlhf_core.ablation.report import COMPARISON_JSON
 from rlhf_core.config import load_config
-from tasks.ablation.variant_tasks import VARIANT_TAG
-from tasks.tracking.lineage import FLOW_RUN_ID_TAG
-from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
 from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
+from tasks.ablation.variant_tasks import VARIANT_TAG
+from tasks.execution.transfer import MANIFEST, ensure_uploaded, join_uri, list_keys, read_stored, s3_client
 from tasks.stages.remote import OUTPUT_URI_TAG, REMOTE_FLOW_RUN_TAG, RemoteStageError, RemoteStages, remote_stage_task
 from tasks.stages.stage_runs import StageContext
-from tasks.execution.transfer import MANIFEST, ensure_uploaded, join_uri, list_keys, read_stored, s3_client
+from tasks.tracking.lineage import FLOW_RUN_ID_TAG
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG, TrackingTarget
 
 HANDOVER_BUCKET = "rlhf-handover"
-PIPELINE_DEPLOYMENT_NAME = "gpu-pool-test"  # apart from the served `rlhf-pipeline` of other tests
 ABLATION_DEPLOYMENT_NAME = "gpu-pool-test"
 ABLATION_STORE = f"s3://{HANDOVER_BUCKET}/ablation-store"
 VARIANTS = ("vanilla", "ppo_max")  # TINY_GRID's
@@ -77,70 +71,6 @@ class Scenario:
     tracking_uri: str
     prefect_api: str
     stage_deployment_id: UUID
-
-
-def create_process_pool(name: str) -> None:
-    """A process work pool created through the API, as `prefect work-pool create NAME --type process` does."""
-    template = ProcessWorker.get_default_base_job_template()
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
-        except ObjectAlreadyExists:
-            pass
-
-
-def start_worker(pool: str, work_dir: Path, env: dict[str, str]) -> _Server:
-    """`prefect worker start --pool POOL --type process` with `work_dir` as its working directory."""
-    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
-    return start_server(f"{pool} worker", command, env, work_dir / "worker.log")
-
-
-def wait_for_workers(pools: dict[str, _Server], timeout_s: float) -> None:
-    """Poll until each pool has a worker that sent a heartbeat (its pool then reads READY)."""
-    deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as client:
-        for pool, worker in pools.items():
-            while client.read_work_pool(pool).status is None or client.read_work_pool(pool).status.value != "READY":
-                if worker.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"no worker for {pool}; log:\n{log_tail(worker.log_path)}")
-                time.sleep(0.5)
-
-
-def worker_env(prefect_server: str, mlflow_server: str, s3_server: S3Server) -> dict[str, str]:
-    """The environment of both pools' workers: the servers of this session, quick polling, one thread."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    return env | {
-        "PREFECT_API_URL": prefect_server,
-        "PREFECT_WORKER_QUERY_SECONDS": "1",  # pick up new flow runs within a second
-        "PREFECT_WORKER_HEARTBEAT_SECONDS": "2",
-        "MLFLOW_TRACKING_URI": mlflow_server,
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-        "AWS_DEFAULT_REGION": s3_server.region,
-        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def deploy_to_pools(cpu_dir: Path, gpu_dir: Path) -> UUID:
-    """Both process pools, the pipeline deployed to the CPU pool and `rlhf-stage` to the GPU pool; returns
-    the stage deployment's id. Each flow run works in its worker's directory (the pool's `working_dir`)."""
-    create_process_pool(CPU_POOL)
-    create_process_pool(GPU_POOL)
-    (stage_spec,) = [spec for spec in DEPLOYMENTS if spec.work_pool == GPU_POOL]
-    stage_deployment_id = stage_spec.flow.to_deployment(
-        name=stage_spec.name,
-        work_pool_name=GPU_POOL,
-        job_variables={"working_dir": str(gpu_dir)},
-        entrypoint_type=EntrypointType.MODULE_PATH,
-    ).apply()
-    rlhf_pipeline.to_deployment(
-        name=PIPELINE_DEPLOYMENT_NAME,
-        work_pool_name=CPU_POOL,
-        job_variables={"working_dir": str(cpu_dir)},
-        entrypoint_type=EntrypointType.MODULE_PATH,
-    ).apply()
-    return stage_deployment_id
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +269,9 @@ def ablation_parent_run(tracking_uri: str, flow_run_id: UUID):
 
 def run_ablation_deployment(scenario: Scenario, settings: dict) -> AblationRound:
     flow_run = run_deployment(
-        f"{rlhf_ablation.name}/{ABLATION_DEPLOYMENT_NAME}", parameters={"settings": settings}, timeout=FLOW_RUN_TIMEOUT_S
+        f"{rlhf_ablation.name}/{ABLATION_DEPLOYMENT_NAME}",
+        parameters={"settings": settings},
+        timeout=FLOW_RUN_TIMEOUT_S,
     )
     assert flow_run.state.is_completed(), f"{flow_run.state.message}\n{worker_logs(scenario)}"
     with get_client(sync_client=True) as client:
@@ -380,14 +312,18 @@ def test_ablation_on_the_cpu_pool_trains_every_variant_on_the_gpu_pool_at_once(a
     first = ablation.first
     assert first.flow_run.work_pool_name == CPU_POOL
     ablation_dir = Path(first.parent.data.tags[f"variant.{VARIANTS[0]}.ppo.out_dir"]).parents[1]
-    assert sorted(run.name for run in first.stage_runs) == sorted(f"ppo-{ablation_dir.name}-{name}" for name in VARIANTS)
+    assert sorted(run.name for run in first.stage_runs) == sorted(
+        f"ppo-{ablation_dir.name}-{name}" for name in VARIANTS
+    )
     for run in first.stage_runs:
         assert run.state.is_completed() and run.work_pool_name == GPU_POOL
         assert run.parameters["request"]["stage"] == "ppo"
     # Started together: each variant's flow run was created before the other one ended.
     one, other = first.stage_runs
     assert one.created < other.end_time and other.created < one.end_time
-    assert {first.task_states.get(f"{kind}[{name}]") for kind in ("ppo", "evaluate") for name in VARIANTS} == {"Completed"}
+    assert {first.task_states.get(f"{kind}[{name}]") for kind in ("ppo", "evaluate") for name in VARIANTS} == {
+        "Completed"
+    }
 
 
 @pytest.mark.slow
@@ -397,7 +333,9 @@ def test_ablation_variants_come_back_by_uri_and_the_base_is_uploaded_once(
     tags = ablation.first.parent.data.tags
     ablation_dir = Path(tags[f"variant.{VARIANTS[0]}.ppo.out_dir"]).parents[1]
     assert ablation_dir.parent == scenario.cpu_dir / "runs" / ABLATIONS_SUBDIR
-    bucket_prefix = ABLATION_STORE.removeprefix(f"s3://{HANDOVER_BUCKET}/") + f"/{ABLATIONS_SUBDIR}/{ablation_dir.name}/"
+    bucket_prefix = (
+        ABLATION_STORE.removeprefix(f"s3://{HANDOVER_BUCKET}/") + f"/{ABLATIONS_SUBDIR}/{ablation_dir.name}/"
+    )
     keys = set(list_keys(scenario.s3, HANDOVER_BUCKET, bucket_prefix))
     uploaded = {key.removeprefix(bucket_prefix) for key in keys if key.endswith(COMPLETE_MARKER)}
     assert uploaded == {f"base/{stage}/{COMPLETE_MARKER}" for stage in ("data", "sft", "reward")} | {
@@ -433,7 +371,9 @@ def test_ablation_variant_runs_nest_under_the_ablation_and_the_comparison_holds_
         assert run.data.tags[OUTPUT_URI_TAG] == parent.data.tags[f"stage.ppo.{name}.uri"]
         ppo = json.loads((ablation_dir / name / "ppo" / COMPLETE_MARKER).read_text())
         judged = json.loads((Path(parent.data.tags[f"variant.{name}.eval.out_dir"]) / COMPLETE_MARKER).read_text())
-        assert rows[name]["final_kl"] == ppo["last/kl/token_k3"] and rows[name]["ppo_minutes"] == ppo["wall_time_s"] / 60
+        assert (
+            rows[name]["final_kl"] == ppo["last/kl/token_k3"] and rows[name]["ppo_minutes"] == ppo["wall_time_s"] / 60
+        )
         assert rows[name]["judge_win_minus_lose"]["mean"] == judged["win_minus_loss"]
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from botocore.client import BaseClient
-from fixtures.servers import S3Server
 from pydantic import ValidationError
 
+from fixtures.servers import S3Server
 from flows.pipeline import PipelineSettings
 from rlhf_core.stage_outputs import COMPLETE_MARKER, StageOutput, output_sha256
 from tasks.execution.transfer import (

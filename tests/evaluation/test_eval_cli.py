@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.paths import PARAMS, ROOT, TINY
-
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
 from rlhf_cli.quiet_libraries import QUIET_LIBRARY_SETTINGS
@@ -54,7 +54,9 @@ def rlhf(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
 
 def hh_row(i: int, topic: str) -> str:
     prompt = f"\n\nHuman: Tell me about {topic} number {i}."
-    return json.dumps({"chosen": f"{prompt}\n\nAssistant: {topic} {i} is fine.", "rejected": f"{prompt}\n\nAssistant: No."})
+    return json.dumps(
+        {"chosen": f"{prompt}\n\nAssistant: {topic} {i} is fine.", "rejected": f"{prompt}\n\nAssistant: No."}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +79,87 @@ def eval_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in ("data", "ppo", "sft", "reward")}
 
 
+EVAL_FILES = {
+    "generations.jsonl",
+    "verdicts.jsonl",
+    "generations_matched.jsonl",
+    "verdicts_matched.jsonl",
+    "generations_samples.jsonl",
+    "verdicts_samples.jsonl",
+    "generations_anchors.jsonl",
+    "verdicts_anchors.jsonl",
+    "report.json",
+    "report.md",
+    "plots/win_rate.png",
+    "metrics.json",
+}
+PREFERENCE = {"A": 1.0, "tie": 0.5, "B": 0.0}
+
+
+def eval_tiny(rlhf, eval_inputs: dict[str, Path], out: Path, *options: str) -> tuple[int, str, str]:
+    """`rlhf eval` of the tiny PPO output against its SFT model on 6 prompts of at most 6 tokens."""
+    models = ["--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"])]
+    settings = ["-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6"]
+    data = ["--data-dir", str(eval_inputs["data"]), "-c", str(TINY)]
+    return rlhf("eval", *models, *data, *settings, *options, "--out", str(out))
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_length_controlled(out: Path, generations: list[dict], verdicts: list[dict], metrics: dict) -> None:
+    """tiny.yaml draws 2 replies per prompt and model, so the length-controlled win rate is fitted on the main
+    pair and the second replies' pair of each prompt, with B's two replies against each other as the anchor
+    rows, resampled by prompt: as the plain reference fit on the written verdicts gives it."""
+    samples = read_rows(out / "generations_samples.jsonl")
+    sample_verdicts = read_rows(out / "verdicts_samples.jsonl")
+    assert [(row["prompt_id"], row["sample"]) for row in samples] == [(g["prompt_id"], 1) for g in generations]
+    assert [v["pair_key"] for v in sample_verdicts] != [v["pair_key"] for v in verdicts]
+    assert (metrics["lc_pairs"], metrics["lc_prompts"]) == (12, 6)
+    pairs = verdicts + sample_verdicts
+    anchors = read_rows(out / "verdicts_anchors.jsonl")
+    anchor_rows = read_rows(out / "generations_anchors.jsonl")
+    expected_anchors = [(g["prompt_id"], 0, 1) for g in generations]
+    assert [(row["prompt_id"], row["sample_a"], row["sample_b"]) for row in anchor_rows] == expected_anchors
+    assert [row["reply_a"] for row in anchor_rows] == [g["reply_b"] for g in generations]  # B against B
+    expected = length_controlled_win_rate(
+        [PREFERENCE[v["verdict"]] for v in pairs],
+        [v["tokens_a"] - v["tokens_b"] for v in pairs],
+        groups=[v["prompt_id"] for v in pairs],
+        anchors=AnchorRows(
+            [PREFERENCE[v["verdict"]] for v in anchors],
+            [v["tokens_a"] - v["tokens_b"] for v in anchors],
+            [v["prompt_id"] for v in anchors],
+            min_reaching=4,
+            min_informative=8,  # tiny.yaml's
+        ),
+    )
+    assert (metrics["lc_identifiable"], metrics["lc_anchor_pairs"]) == (float(expected.identifiable), 6)
+    assert metrics.get("lc_win_rate") == (pytest.approx(expected.rate) if expected.identifiable else None)
+
+
+def check_length_matched(out: Path, generations: list[dict], metrics: dict) -> None:
+    mean_a, mean_b = (sum(g[f"tokens_{x}"] for g in generations) / 6 for x in "ab")
+    assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
+    assert "judge/reward_length_spearman_b" in metrics or len({g["tokens_b"] for g in generations}) == 1
+    matched = read_rows(out / "generations_matched.jsonl")
+    matched_verdicts = read_rows(out / "verdicts_matched.jsonl")
+    assert metrics["length_matched/pairs"] == len(matched) == len(matched_verdicts)
+    for row in matched:
+        assert abs(row["tokens_a"] - row["tokens_b"]) <= 0.2 * max(row["tokens_a"], row["tokens_b"])
+        assert row["sample_a"] in (0, 1) and row["sample_b"] in (0, 1)
+
+
 def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval_inputs, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    status, stdout, stderr = rlhf(
-        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--judge", "rm",
-        "--rm-dir", str(eval_inputs["reward"]), "--data-dir", str(eval_inputs["data"]), "-c", str(TINY),
-        "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6", "--out", str(out),
-    )
+    status, stdout, stderr = eval_tiny(rlhf, eval_inputs, out, "--judge", "rm")
     assert status == 0, stderr
     assert "**Judge:** the in-sample reward model (IN-SAMPLE" in stdout and "In-sample judge" in stdout
     assert f"chart in {out / 'plots' / 'win_rate.png'}" in stdout
-
-    files = {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()}
-    assert files == {
-        "generations.jsonl", "verdicts.jsonl", "generations_matched.jsonl", "verdicts_matched.jsonl",
-        "generations_samples.jsonl", "verdicts_samples.jsonl", "generations_anchors.jsonl", "verdicts_anchors.jsonl",
-        "report.json", "report.md", "plots/win_rate.png", "metrics.json",
-    }
-    generations = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
-    verdicts = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
+    assert {path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file()} == EVAL_FILES
+    generations = read_rows(out / "generations.jsonl")
+    verdicts = read_rows(out / "verdicts.jsonl")
     assert len(generations) == len(verdicts) == 6
     assert [g["prompt_id"] for g in generations] == [v["prompt_id"] for v in verdicts]
     assert all(g["tokens_a"] <= 6 and g["tokens_b"] <= 6 for g in generations)
@@ -115,53 +179,16 @@ def test_eval_with_the_reward_model_judge_writes_the_report_and_chart(rlhf, eval
     assert metrics["win_minus_loss"] == pytest.approx((wins - losses) / 6)
     assert metrics["win_minus_loss_low"] <= metrics["win_minus_loss"] <= metrics["win_minus_loss_high"]
     assert metrics["perplexity_a"] > 1 and metrics["perplexity_b"] > 1
-    # the length-controlled headline: tiny.yaml draws 2 replies per prompt and model, so it is fitted on the
-    # main pair and the second replies' pair of each prompt, with B's two replies against each other as the
-    # anchor rows, resampled by prompt
-    samples = [json.loads(line) for line in (out / "generations_samples.jsonl").read_text().splitlines()]
-    sample_verdicts = [json.loads(line) for line in (out / "verdicts_samples.jsonl").read_text().splitlines()]
-    assert [(row["prompt_id"], row["sample"]) for row in samples] == [(g["prompt_id"], 1) for g in generations]
-    assert [v["pair_key"] for v in sample_verdicts] != [v["pair_key"] for v in verdicts]
-    assert (metrics["lc_pairs"], metrics["lc_prompts"]) == (12, 6)
-    pairs = verdicts + sample_verdicts
-    preference = {"A": 1.0, "tie": 0.5, "B": 0.0}
-    anchors = [json.loads(line) for line in (out / "verdicts_anchors.jsonl").read_text().splitlines()]
-    anchor_rows = [json.loads(line) for line in (out / "generations_anchors.jsonl").read_text().splitlines()]
-    assert [(row["prompt_id"], row["sample_a"], row["sample_b"]) for row in anchor_rows] == [
-        (g["prompt_id"], 0, 1) for g in generations
-    ]
-    assert [row["reply_a"] for row in anchor_rows] == [g["reply_b"] for g in generations]  # B against B
-    expected = length_controlled_win_rate(
-        [preference[v["verdict"]] for v in pairs], [v["tokens_a"] - v["tokens_b"] for v in pairs],
-        groups=[v["prompt_id"] for v in pairs],
-        anchors=AnchorRows(
-            [preference[v["verdict"]] for v in anchors], [v["tokens_a"] - v["tokens_b"] for v in anchors],
-            [v["prompt_id"] for v in anchors], min_reaching=4, min_informative=8,  # tiny.yaml's
-        ),
-    )
-    assert (metrics["lc_identifiable"], metrics["lc_anchor_pairs"]) == (float(expected.identifiable), 6)
-    assert metrics.get("lc_win_rate") == (pytest.approx(expected.rate) if expected.identifiable else None)
-    mean_a, mean_b = (sum(g[f"tokens_{x}"] for g in generations) / 6 for x in "ab")
-    assert metrics["length_ratio"] == pytest.approx(mean_a / mean_b)
     assert metrics["alignment_tax_relative"] == pytest.approx(metrics["perplexity_a"] / metrics["perplexity_b"] - 1)
-    assert "judge/reward_length_spearman_b" in metrics or len({g["tokens_b"] for g in generations}) == 1
-    matched = [json.loads(line) for line in (out / "generations_matched.jsonl").read_text().splitlines()]
-    matched_verdicts = [json.loads(line) for line in (out / "verdicts_matched.jsonl").read_text().splitlines()]
-    assert metrics["length_matched/pairs"] == len(matched) == len(matched_verdicts)
-    for row in matched:
-        assert abs(row["tokens_a"] - row["tokens_b"]) <= 0.2 * max(row["tokens_a"], row["tokens_b"])
-        assert row["sample_a"] in (0, 1) and row["sample_b"] in (0, 1)
+    check_length_controlled(out, generations, verdicts, metrics)
+    check_length_matched(out, generations, metrics)
     assert stdout.index("Length-controlled win rate of A") < stdout.index("| all |")
     assert (out / "plots" / "win_rate.png").read_bytes()[:4] == b"\x89PNG"
 
     # A second judge that calls every pair a tie, compared with the first on the same (seeded) pairs.
     second = tmp_path / "eval-all-ties"
-    status, stdout, stderr = rlhf(
-        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"]),
-        "--rm-independent", "--agree-with", str(out / "verdicts.jsonl"), "--data-dir", str(eval_inputs["data"]),
-        "-c", str(TINY), "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6",
-        "-s", "evaluation.tie_margin=1e9", "--out", str(second),
-    )
+    agree = ["--rm-independent", "--agree-with", str(out / "verdicts.jsonl"), "-s", "evaluation.tie_margin=1e9"]
+    status, stdout, stderr = eval_tiny(rlhf, eval_inputs, second, *agree)
     assert status == 0, stderr
     assert "In-sample judge" not in stdout
     first_judge = verdicts[0]["judge"]
@@ -201,8 +228,19 @@ def test_llm_judge_without_an_endpoint_fails_naming_the_variables(
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "eval"
     status, _, stderr = rlhf(
-        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--judge", "llm",
-        "--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "--out", str(out),
+        "eval",
+        "--a",
+        str(eval_inputs["ppo"]),
+        "--b",
+        str(eval_inputs["sft"]),
+        "--judge",
+        "llm",
+        "--data-dir",
+        str(eval_inputs["data"]),
+        "-c",
+        str(TINY),
+        "--out",
+        str(out),
     )
     assert status == 1
     message = stderr.strip()
@@ -222,8 +260,19 @@ def test_an_unfinished_model_is_refused(rlhf, eval_inputs, tmp_path: Path) -> No
     (unfinished / "model").mkdir(parents=True)
     (unfinished / "model" / "config.json").write_text("{}")
     status, _, stderr = rlhf(
-        "eval", "--a", str(unfinished), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"]),
-        "--data-dir", str(eval_inputs["data"]), "-c", str(TINY), "--out", str(tmp_path / "eval"),
+        "eval",
+        "--a",
+        str(unfinished),
+        "--b",
+        str(eval_inputs["sft"]),
+        "--rm-dir",
+        str(eval_inputs["reward"]),
+        "--data-dir",
+        str(eval_inputs["data"]),
+        "-c",
+        str(TINY),
+        "--out",
+        str(tmp_path / "eval"),
     )
     assert status == 1
     assert "unfinished stage output" in stderr
@@ -232,8 +281,18 @@ def test_an_unfinished_model_is_refused(rlhf, eval_inputs, tmp_path: Path) -> No
 def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, eval_inputs, tmp_path: Path) -> None:
     """The stage output and its model directory are one model: refused (every pair would tie), before any work;
     `--allow-same` evaluates them anyway, with a warning, and every pair is a tie."""
-    common = ("--rm-dir", str(eval_inputs["reward"]), "--data-dir", str(eval_inputs["data"]), "-c", str(TINY),
-              "-s", "evaluation.max_prompts=4", "-s", "evaluation.generation.max_new_tokens=4")
+    common = (
+        "--rm-dir",
+        str(eval_inputs["reward"]),
+        "--data-dir",
+        str(eval_inputs["data"]),
+        "-c",
+        str(TINY),
+        "-s",
+        "evaluation.max_prompts=4",
+        "-s",
+        "evaluation.generation.max_new_tokens=4",
+    )
     out = tmp_path / "eval"
     status, _, stderr = rlhf(
         "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["ppo"] / "model"), *common, "--out", str(out)
@@ -243,8 +302,15 @@ def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, eval_
     assert not out.exists()
 
     status, stdout, stderr = rlhf(
-        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["ppo"]), "--allow-same", *common,
-        "--out", str(out),
+        "eval",
+        "--a",
+        str(eval_inputs["ppo"]),
+        "--b",
+        str(eval_inputs["ppo"]),
+        "--allow-same",
+        *common,
+        "--out",
+        str(out),
     )
     assert status == 0, stderr
     (warning,) = [line for line in stderr.splitlines() if line.startswith("warning:")]
@@ -307,19 +373,16 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # nothing under artifacts/ here
-    common = ("--params", str(PARAMS), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward",
-              "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4")
+    tiny = ["--params", str(PARAMS), "-c", str(TINY), "-s", "tracking.reward_model_name=eval-reward"]
+    common = [*tiny, "-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=4"]
+    challenger, champion = "models:/eval-policy@challenger", "models:/eval-policy@champion"
+    given = ["--rm-dir", str(judge_dir), "--data-dir", str(eval_inputs["data"])]
 
-    status, stdout, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy@challenger", "--b", "models:/eval-policy@champion", *common,
-        "--out", str(tmp_path / "eval"),
-    )
-
+    status, stdout, stderr = rlhf("eval", "--a", challenger, "--b", champion, *common, "--out", str(tmp_path / "eval"))
     assert status == 0, stderr
     assert (
         f"eval data: {eval_inputs['data']} (the prepared data of eval-policy version 2, "
-        "from models:/eval-policy@challenger)"
-        in stdout.splitlines()
+        "from models:/eval-policy@challenger)" in stdout.splitlines()
     )
     assert (
         "judge: independent judge reward model registered with the challenger (models:/eval-reward-judge/1) "
@@ -334,24 +397,23 @@ def test_eval_of_registered_models_takes_data_and_judge_from_the_lineage_and_say
     assert len(list((tmp_path / "cache" / "registry").glob("eval-policy-v*"))) == 2
 
     # Given paths win over the lineage, and nothing is printed about it.
+    sft = str(eval_inputs["sft"])
     status, stdout, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy@challenger", "--b", str(eval_inputs["sft"]), "--rm-dir", str(judge_dir),
-        "--data-dir", str(eval_inputs["data"]), *common, "--out", str(tmp_path / "given"),
+        "eval", "--a", challenger, "--b", sft, *given, *common, "--out", str(tmp_path / "given")
     )
     assert status == 0, stderr
     assert "eval data:" not in stdout and "judge:" not in stdout.replace("**Judge:**", "")
 
     # The registry copy of a stage output is that model, by content: refused as the same model.
-    status, _, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy@challenger", "--b", str(eval_inputs["ppo"]), "--rm-dir", str(judge_dir),
-        "--data-dir", str(eval_inputs["data"]), *common, "--out", str(tmp_path / "same"),
-    )
+    ppo = str(eval_inputs["ppo"])
+    status, _, stderr = rlhf("eval", "--a", challenger, "--b", ppo, *given, *common, "--out", str(tmp_path / "same"))
     assert status == REFUSED_EXIT_CODE and "model A and model B are the same model" in stderr
 
     # A version without a registered judge: one line naming the ways to give one, before any work.
+    unjudged = "models:/eval-policy-unjudged@challenger"
+    data = ["--data-dir", str(eval_inputs["data"])]
     status, _, stderr = rlhf(
-        "eval", "--a", "models:/eval-policy-unjudged@challenger", "--b", "models:/eval-policy@champion", *common,
-        "--data-dir", str(eval_inputs["data"]), "--out", str(tmp_path / "unjudged"),
+        "eval", "--a", unjudged, "--b", champion, *common, *data, "--out", str(tmp_path / "unjudged")
     )
     assert status == 1 and len(stderr.strip().splitlines()) == 1
     assert "names no independent judge reward model" in stderr and "--rm-dir" in stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from fixtures.benchmarks import import_benchmark
 from fixtures.paths import TINY
 

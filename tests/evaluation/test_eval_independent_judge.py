@@ -22,20 +22,19 @@ import json
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
+
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, TINY
 from fixtures.tiny_ppo import tiny_config, write_stage_inputs
-from mlflow import MlflowClient
-
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
 from rlhf_core.config import ConfigError, ModelConfig, load_config
 from rlhf_core.data.prepare import load_split
-from rlhf_core.reward.training_data import read_training_data
 from rlhf_core.models.heads import RewardModel
+from rlhf_core.reward.training_data import read_training_data
 from rlhf_core.stages.judge_reward import judge_config, run_judge_rm
 from rlhf_core.stages.reward import run_train_rm
 from tasks.execution.caching import stage_cache_key
-from tasks.tracking.lineage import DATA_VERSION_TAG
 from tasks.registry.registered_models import (
     CONTENT_TAG,
     JUDGE_MODEL_TAG,
@@ -45,6 +44,7 @@ from tasks.registry.registered_models import (
     STAGE_RUN_TAG,
 )
 from tasks.stages.stage_runs import STAGE_SECTIONS
+from tasks.tracking.lineage import DATA_VERSION_TAG
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

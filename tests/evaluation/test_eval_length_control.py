@@ -71,9 +71,7 @@ def test_the_bootstrap_matches_refitting_each_resample() -> None:
     preferences = rng.choice([0.0, 0.5, 1.0], size=40)
     result = length_controlled_win_rate(preferences, differences, confidence=0.9, resamples=300, seed=7)
     draws = np.random.default_rng(7).integers(0, 40, size=(300, 40))
-    rates = sorted(
-        length_controlled_win_rate(preferences[row], differences[row], resamples=1).rate for row in draws
-    )
+    rates = sorted(length_controlled_win_rate(preferences[row], differences[row], resamples=1).rate for row in draws)
     assert (result.low, result.high) == pytest.approx(tuple(np.quantile(rates, [0.05, 0.95])), abs=1e-7)
     assert result.low <= result.rate <= result.high
     assert length_controlled_win_rate(preferences, differences, resamples=300, seed=7) == (
@@ -326,7 +324,9 @@ def test_the_fit_with_anchor_rows_matches_scipy() -> None:
         return float(loss.sum() + REGULARISATION / 2 * params @ params)
 
     reference = optimize.minimize(objective, np.zeros(4), method="BFGS", options={"gtol": 1e-9}).x
-    anchors = AnchorRows(anchor_preferences, anchor_differences, list(range(60, 100)), min_reaching=1, min_informative=1)
+    anchors = AnchorRows(
+        anchor_preferences, anchor_differences, list(range(60, 100)), min_reaching=1, min_informative=1
+    )
     result = length_controlled_win_rate(preferences, differences, resamples=10, groups=range(60), anchors=anchors)
     assert (result.theta, result.phi, *result.other_length_terms) == pytest.approx(tuple(reference), abs=1e-5)
     assert result.length_scale == pytest.approx(scale)

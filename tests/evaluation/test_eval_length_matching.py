@@ -53,7 +53,11 @@ def test_pairs_are_chosen_by_length_alone_and_kept_when_similar() -> None:
 
     (row,) = matched_generation_rows(matched)
     assert (row["reply_a"], row["tokens_a"], row["tokens_b"], row["sample_a"], row["sample_b"]) == (
-        "reply 1", 12, 11, 1, 1,
+        "reply 1",
+        12,
+        11,
+        1,
+        1,
     )
     with pytest.raises(ValueError, match="prompts"):
         length_matched_pairs(prompts, samples_a[:2], samples_b)

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fixtures.paths import PARAMS, TINY
 
+from fixtures.paths import PARAMS, TINY
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.judges.llm import LlmJudge, LlmJudgeError, backoff_delay
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint, LlmEndpointError
@@ -159,7 +159,15 @@ SCRIPTED_PAIRS = [
     pair(8, "CONTRADICT: tea or coffee?", "GOOD: tea.", "Coffee."),
 ]
 EXPECTED = [
-    Verdict.A, Verdict.B, Verdict.TIE, Verdict.TIE, Verdict.A, Verdict.B, Verdict.A, Verdict.INVALID, Verdict.INVALID
+    Verdict.A,
+    Verdict.B,
+    Verdict.TIE,
+    Verdict.TIE,
+    Verdict.A,
+    Verdict.B,
+    Verdict.A,
+    Verdict.INVALID,
+    Verdict.INVALID,
 ]
 MAX_RETRIES = 2
 # Two orders per pair; +1 per order for 429/500; +1 per order for one malformed answer; 3 per order when
@@ -170,9 +178,7 @@ FAILED_HTTP_REQUESTS = 4
 
 def make_judge(base_url: str, cache_dir: Path, model: str = "judge-model", key: str = API_KEY) -> LlmJudge:
     endpoint = LlmEndpoint(base_url=base_url, model=model, api_key=key)
-    return LlmJudge(
-        endpoint, cache_dir, concurrency=SIMULTANEOUS_LIMIT, max_retries=MAX_RETRIES, backoff_base_s=0.01
-    )
+    return LlmJudge(endpoint, cache_dir, concurrency=SIMULTANEOUS_LIMIT, max_retries=MAX_RETRIES, backoff_base_s=0.01)
 
 
 def test_scripted_verdicts_retries_and_accounting(judge_server, tmp_path: Path) -> None:
@@ -269,7 +275,10 @@ def test_endpoint_from_environment() -> None:
     )
     assert (endpoint.base_url, endpoint.model, endpoint.api_key) == ("http://host:1/v1", "gpt-4o", API_KEY)
     assert API_KEY not in repr(endpoint)
-    assert LlmEndpoint.from_environment("gpt-4o", environ={"RLHF_JUDGE_API_KEY": "k", "RLHF_JUDGE_MODEL": "m"}).model == "m"
+    assert (
+        LlmEndpoint.from_environment("gpt-4o", environ={"RLHF_JUDGE_API_KEY": "k", "RLHF_JUDGE_MODEL": "m"}).model
+        == "m"
+    )
 
 
 # ---- the whole stage with the LLM judge: the key appears in no file and no log line

@@ -13,6 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
 from fixtures.paths import PARAMS, TINY
 from fixtures.stage_outputs import stage_output
 from fixtures.tiny_ppo import (
@@ -21,24 +26,19 @@ from fixtures.tiny_ppo import (
     tiny_config,
     write_stage_inputs,
 )
-from mlflow import MlflowClient
-from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
-
 from flows.pipeline import run_directory
 from rlhf_cli.main import main
 from rlhf_core.config import Config
 from rlhf_core.models.tiny import load_tiny_model
+from rlhf_core.stage_outputs import StageOutput, output_sha256
 from rlhf_core.stages.evaluate import judge_in_sample
 from rlhf_core.stages.ppo import REWARD_RECORD_FILE, run_ppo
-from tasks.execution.caching import with_cache_dir
 from tasks.evaluation.evaluate_task import JudgeSpec, evaluate_task
-from tasks.tracking.lineage import flow_run_tags
-from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, STAGE_TAG, close_run, open_pipeline_run
-from rlhf_core.stage_outputs import StageOutput, output_sha256
+from tasks.execution.caching import with_cache_dir
 from tasks.registry.registered_models import CHALLENGER_ALIAS, REWARD_VERSION_TAG, register
 from tasks.stages.stage_runs import StageContext
+from tasks.tracking.lineage import flow_run_tags
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, STAGE_TAG, close_run, open_pipeline_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -152,7 +152,9 @@ def test_evaluate_task_logs_the_evaluation_and_a_rerun_is_a_cache_hit(
     assert {item.path for item in tracking.list_artifacts(output.mlflow_run_id, "plots")} == {"plots/win_rate.png"}
     table = json.loads(Path(tracking.download_artifacts(output.mlflow_run_id, "pairs.json", str(tmp_path))).read_text())
     rows = [dict(zip(table["columns"], row)) for row in table["data"]]
-    assert [(row["prompt_id"], row["verdict"]) for row in rows] == [(row["prompt_id"], row["verdict"]) for row in verdicts]
+    assert [(row["prompt_id"], row["verdict"]) for row in rows] == [
+        (row["prompt_id"], row["verdict"]) for row in verdicts
+    ]
     # MLflow's table artifact keeps 10 decimals of each float
     assert [row["margin"] for row in rows] == pytest.approx([row["margin"] for row in verdicts], abs=1e-9)
     report_md = (output.out_dir / "report.md").read_text()

@@ -11,24 +11,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures.statistics_by_loop import bootstrap_by_loop
 from torch.nn import functional as F
 
+from fixtures.statistics_by_loop import bootstrap_by_loop
 from rlhf_core.config import DataConfig, RolloutConfig
 from rlhf_core.data.prepare import prepare_preference_data
 from rlhf_core.data.validation import TokenLengths
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
 from rlhf_core.evaluation.generation import generate_replies
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
+from rlhf_core.evaluation.length_control import AnchorRows, LengthControlledWinRate, length_controlled_win_rate
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
-from rlhf_core.evaluation.length_control import AnchorRows, length_controlled_win_rate
 from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, summarise_outcomes
 from rlhf_core.evaluation.report_markdown import render_markdown
-from rlhf_core.statistics import cohens_kappa, spearman, wilson_interval
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
+from rlhf_core.statistics import cohens_kappa, spearman, wilson_interval
 
 A, B, TIE, INVALID = Verdict.A, Verdict.B, Verdict.TIE, Verdict.INVALID
 GENERATION = RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
@@ -54,7 +54,12 @@ def test_summary_counts_rates_and_intervals() -> None:
     verdicts = [A] * 6 + [TIE] * 3 + [B] * 2 + [INVALID] * 2
     summary = summarise_outcomes(verdicts, seed=0, resamples=500)
     assert (summary.pairs, summary.valid, summary.wins, summary.ties, summary.losses, summary.invalid) == (
-        13, 11, 6, 3, 2, 2,
+        13,
+        11,
+        6,
+        3,
+        2,
+        2,
     )
     assert summary.win.rate == pytest.approx(6 / 11)
     assert (summary.win.low, summary.win.high) == pytest.approx(wilson_interval(6, 11))
@@ -111,9 +116,7 @@ def test_agreement_with_other_judges() -> None:
     other["long0"], other["long1"] = TIE, B  # two disagreements
     other["even0"] = INVALID  # left out: not judged validly by both
     del other["long2"]  # left out: not judged by the other judge
-    report = build_report(
-        rows, RM_JUDGE, "a", "b", GENERATION, seed=0, other_judges={"LLM gpt": other}, resamples=100
-    )
+    report = build_report(rows, RM_JUDGE, "a", "b", GENERATION, seed=0, other_judges={"LLM gpt": other}, resamples=100)
     (agreement,) = report.agreement
     shared = [key for key in mine if key in other and INVALID not in (mine[key], other[key])]
     assert agreement.pairs == len(shared) == 10
@@ -220,30 +223,54 @@ def length_biased_anchors(count: int, seed: int) -> list[list[JudgedPair]]:
     return anchors
 
 
+def reference_length_controlled(pairs: list[JudgedPair], anchors: list[tuple[JudgedPair]]) -> LengthControlledWinRate:
+    """The length-controlled fit on the valid pairs, grouped by prompt, with the anchors at the report's
+    thresholds (20 reaching, 10 informative), as the report below is asked to make it."""
+    valid = [(prompt, pair) for prompt, pair in enumerate(pairs) if pair.verdict is not INVALID]
+    return length_controlled_win_rate(
+        [(pair.verdict.outcome + 1) / 2 for _, pair in valid],
+        [pair.tokens_a - pair.tokens_b for _, pair in valid],
+        resamples=300,
+        seed=1,
+        groups=[prompt for prompt, _ in valid],
+        anchors=AnchorRows(
+            [(row.verdict.outcome + 1) / 2 for (row,) in anchors],
+            [row.tokens_a - row.tokens_b for (row,) in anchors],
+            list(range(len(anchors))),
+            20,
+            10,
+        ),
+    )
+
+
 def test_the_report_leads_with_the_length_controlled_figures() -> None:
     pairs = length_biased_pairs(80, seed=0)
     anchors = length_biased_anchors(80, seed=1)
     matched = [JudgedPair(f"m{i}", "only", 30, 28, [A, B, TIE][i % 3]) for i in range(61)]
     tax = AlignmentTax(replies=10, perplexity_a=11.0, perplexity_b=10.0)
     report = build_report(
-        pairs, RM_JUDGE, "ppo", "sft", GENERATION, seed=1, alignment_tax=tax, resamples=300,
-        length_matched=matched, samples_per_model=4, anchor_pairs=anchors, min_anchor_pairs=20,
+        pairs,
+        RM_JUDGE,
+        "ppo",
+        "sft",
+        GENERATION,
+        seed=1,
+        alignment_tax=tax,
+        resamples=300,
+        length_matched=matched,
+        samples_per_model=4,
+        anchor_pairs=anchors,
+        min_anchor_pairs=20,
         min_informative_pairs=10,
     )
-    valid = [(prompt, pair) for prompt, pair in enumerate(pairs) if pair.verdict is not INVALID]
-    expected = length_controlled_win_rate(
-        [(pair.verdict.outcome + 1) / 2 for _, pair in valid], [pair.tokens_a - pair.tokens_b for _, pair in valid],
-        resamples=300, seed=1, groups=[prompt for prompt, _ in valid],
-        anchors=AnchorRows(
-            [(row.verdict.outcome + 1) / 2 for (row,) in anchors], [row.tokens_a - row.tokens_b for (row,) in anchors],
-            list(range(80)), 20, 10,
-        ),
-    )
+    expected = reference_length_controlled(pairs, anchors)
     assert expected.identifiable and expected.anchor_pairs == 80
     metrics = report.metrics()
     assert list(metrics)[:3] == ["lc_win_rate", "lc_win_rate_low", "lc_win_rate_high"]
     assert (metrics["lc_win_rate"], metrics["lc_win_rate_low"], metrics["lc_win_rate_high"]) == (
-        expected.rate, expected.low, expected.high,
+        expected.rate,
+        expected.low,
+        expected.high,
     )
     assert metrics["lc_pairs"] == 79 and metrics["lc_identifiable"] == 1 and metrics["lc_anchor_pairs"] == 80
     mean_a, mean_b = (sum(getattr(p, f"tokens_{x}") for p in pairs) / 80 for x in "ab")
@@ -277,7 +304,14 @@ def test_without_enough_anchor_pairs_the_report_says_not_identifiable_and_gives_
         (length_biased_anchors(80, seed=1), 81, "anchor pairs reach the compared pairs' median |dlen|"),
     ):
         report = build_report(
-            pairs, RM_JUDGE, "ppo", "sft", GENERATION, seed=1, resamples=50, anchor_pairs=anchors,
+            pairs,
+            RM_JUDGE,
+            "ppo",
+            "sft",
+            GENERATION,
+            seed=1,
+            resamples=50,
+            anchor_pairs=anchors,
             min_anchor_pairs=minimum,
         )
         metrics = report.metrics()
@@ -290,7 +324,15 @@ def test_length_figures_of_degenerate_evaluations_stay_finite() -> None:
     ties = [JudgedPair(f"t{i}", "only", 10 + i, 12, TIE) for i in range(5)]
     anchors = [[JudgedPair(f"a{i}", "only", 10 + 2 * i, 12, TIE)] for i in range(5)]
     report = build_report(
-        ties, RM_JUDGE, "a", "b", GENERATION, seed=0, resamples=50, length_matched=[], anchor_pairs=anchors,
+        ties,
+        RM_JUDGE,
+        "a",
+        "b",
+        GENERATION,
+        seed=0,
+        resamples=50,
+        length_matched=[],
+        anchor_pairs=anchors,
         min_anchor_pairs=1,
     )
     metrics = report.metrics()
@@ -360,7 +402,9 @@ def test_evaluation_prompts_are_distinct_capped_and_categorised(tmp_path: Path) 
 
     def row(i: int, answer: str) -> str:
         prompt = f"\n\nHuman: Question {i}?"
-        return json.dumps({"chosen": f"{prompt}\n\nAssistant: {answer} {i}.", "rejected": f"{prompt}\n\nAssistant: No."})
+        return json.dumps(
+            {"chosen": f"{prompt}\n\nAssistant: {answer} {i}.", "rejected": f"{prompt}\n\nAssistant: No."}
+        )
 
     harmless.write_text("".join(row(i, "Yes") + "\n" + row(i, "Sure") + "\n" for i in range(40)))
     with gzip.open(helpful, "wt") as file:

@@ -25,7 +25,6 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
-from fixtures.paths import PARAMS, ROOT
 from mlflow import MlflowClient
 from prefect import tags
 from prefect.client.orchestration import get_client
@@ -40,6 +39,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.flow_runs import resume_flow_run
 from prefect.input.actions import read_flow_run_input
 
+from fixtures.paths import PARAMS, ROOT
 from flows.human_eval import HumanEvalSettings, rlhf_human_eval
 from rlhf_core.evaluation.judges.human import PLAN_FILE, plan_session
 from rlhf_core.evaluation.outputs import GeneratedPair, read_generations, read_verdicts, write_jsonl

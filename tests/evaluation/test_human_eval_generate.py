@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fixtures.paths import PARAMS, TINY
 
+from fixtures.paths import PARAMS, TINY
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.generation import generate_replies
 from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, PAIRS_FILE, open_session

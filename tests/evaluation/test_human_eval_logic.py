@@ -28,7 +28,14 @@ from rlhf_core.evaluation.judges.human import (
 )
 from rlhf_core.evaluation.judges.verdicts import Verdict
 from rlhf_core.evaluation.outputs import read_generations, read_verdicts, write_jsonl
-from tasks.evaluation.human_eval import answer_form, answers_from_form, choice_field, comment_field, pause_key, write_results
+from tasks.evaluation.human_eval import (
+    answer_form,
+    answers_from_form,
+    choice_field,
+    comment_field,
+    pause_key,
+    write_results,
+)
 
 
 def generation_row(index: int, category: str = "harmless-base") -> dict:

@@ -12,19 +12,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures.stage_outputs import stage_output
-from fixtures.tiny_ppo import StageInputs, tiny_config
 from mlflow import MlflowClient
 
 import flows.pipeline as pipeline
 import rlhf_core.stages.evaluate as evaluate_stage
+from fixtures.stage_outputs import stage_output
+from fixtures.tiny_ppo import StageInputs, tiny_config
+from rlhf_core.promotion.evidence import IDENTICAL_MODELS
+from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.stages.ppo import run_ppo
 from tasks.evaluation.evaluate_task import evaluation_summary, evaluation_tags
 from tasks.evaluation.identical_evaluation import NOT_EVALUATED_FILE
-from tasks.tracking.mlflow_runs import TrackingTarget
-from rlhf_core.stage_outputs import StageOutput
-from rlhf_core.promotion.evidence import IDENTICAL_MODELS
 from tasks.stages.stage_runs import StageContext
+from tasks.tracking.mlflow_runs import TrackingTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,9 +14,9 @@ from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Verdict
 from rlhf_core.evaluation.report import JudgedPair, build_report
 from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.reward.training_data import RewardTrainingData
+from rlhf_core.stage_outputs import StageOutput
 from rlhf_core.stages.evaluate import REPORT_JSON
 from tasks.evaluation.evaluate_task import evaluation_summary
-from rlhf_core.stage_outputs import StageOutput
 
 GENERATION = RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
 

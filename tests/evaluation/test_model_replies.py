@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.tiny_ppo import StageInputs, tiny_config
 from transformers import PreTrainedTokenizerBase
 
 import rlhf_core.stages.evaluate as evaluate_stage
+from fixtures.tiny_ppo import StageInputs, tiny_config
 from rlhf_core.evaluation.generation import Reply
 from rlhf_core.evaluation.model_replies import ModelReplies, ReplyStore, replies_key
 from rlhf_core.evaluation.prompts import evaluation_prompts
@@ -89,7 +89,13 @@ def test_an_evaluation_reads_a_model_it_sampled_before(
 
     def evaluate(policy: Path, out: str, replies_dir: Path | None) -> dict[str, float]:
         return run_evaluate(
-            config, inputs.data_dir, policy, inputs.sft_dir, tmp_path / out, rm_dir=inputs.rm_dir, replies_dir=replies_dir
+            config,
+            inputs.data_dir,
+            policy,
+            inputs.sft_dir,
+            tmp_path / out,
+            rm_dir=inputs.rm_dir,
+            replies_dir=replies_dir,
         ).metrics
 
     evaluate(policies[0], "first", store)

@@ -45,9 +45,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_ppo import hh_pair, tiny_config
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fixtures.tiny_ppo import hh_pair, tiny_config
 from rlhf_core.config import CollapseGuardConfig, Config, EvaluationConfig
 from rlhf_core.data.prepare import load_split
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
@@ -65,9 +65,9 @@ from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
 from rlhf_core.evaluation.report import JudgedPair, build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
+from rlhf_core.promotion.gate import GUARD_DISABLED, NO_COLLAPSE_BOUND, gate_checks
 from rlhf_core.stages.evaluate import GENERATIONS_FILE, judged_pairs
 from rlhf_core.stages.prepare_data import run_prepare_data
-from rlhf_core.promotion.gate import GUARD_DISABLED, NO_COLLAPSE_BOUND, gate_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,7 +122,9 @@ class RuleJudge:
         return self.tokenizer(reply, add_special_tokens=False)["input_ids"]
 
     def info(self) -> JudgeInfo:
-        return JudgeInfo(kind="rule", name=self.name, role=f"the rule judge {self.name}", description=f"rule judge: {self.name}")
+        return JudgeInfo(
+            kind="rule", name=self.name, role=f"the rule judge {self.name}", description=f"rule judge: {self.name}"
+        )
 
 
 def brevity_judge(tokenizer: PreTrainedTokenizerBase, noise_tokens: float = BREVITY_JUDGE_NOISE) -> RuleJudge:
@@ -158,7 +160,12 @@ def answers(
     """A model's replies to `prompts` and its perplexity on their held-out chosen replies (the eval stage's
     `model_replies`, for a model in memory)."""
     replies = generate_replies(
-        model, tokenizer, [p.prompt for p in prompts], config.evaluation.generation, config.evaluation.batch_size, config.seed
+        model,
+        tokenizer,
+        [p.prompt for p in prompts],
+        config.evaluation.generation,
+        config.evaluation.batch_size,
+        config.seed,
     )
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, _ = reply_perplexity(model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size)
@@ -178,7 +185,12 @@ def sampled_answers(
     main, perplexity = answers(config, model, tokenizer, prompts)
     settings = config.evaluation
     extra = sample_replies(
-        model, tokenizer, [p.prompt for p in prompts], settings.generation, settings.batch_size, config.seed + 1,
+        model,
+        tokenizer,
+        [p.prompt for p in prompts],
+        settings.generation,
+        settings.batch_size,
+        config.seed + 1,
         SAMPLES - 1,
     )
     return [[first, *others] for first, others in zip(main, extra)], perplexity
@@ -191,7 +203,9 @@ def judged(rows: list[dict], judge: RuleJudge, path: Path) -> list[JudgedPair]:
     return judged_pairs(generated, judge.judge([item.pair for item in generated]))
 
 
-def by_prompt(prompts: Sequence[EvalPrompt], pairs: Sequence[JudgedPair], rows: Sequence[dict]) -> list[list[JudgedPair]]:
+def by_prompt(
+    prompts: Sequence[EvalPrompt], pairs: Sequence[JudgedPair], rows: Sequence[dict]
+) -> list[list[JudgedPair]]:
     """`pairs` (of `rows`) grouped by prompt, in the prompts' order."""
     groups: dict[str, list[JudgedPair]] = {prompt.prompt_id: [] for prompt in prompts}
     for pair, row in zip(pairs, rows, strict=True):
@@ -220,12 +234,23 @@ def evaluation_figures(
     for group, extra in zip(length_control, by_prompt(prompts, sample_pairs, sample_rows), strict=True):
         group.extend(extra)
     anchor_rows = anchor_generation_rows(prompts, b[0])
-    anchors = by_prompt(prompts, judged(anchor_rows, judge, out_dir / "anchors.jsonl"), anchor_rows) if anchor_rows else None
+    anchors = (
+        by_prompt(prompts, judged(anchor_rows, judge, out_dir / "anchors.jsonl"), anchor_rows) if anchor_rows else None
+    )
     tax = AlignmentTax(replies=len(prompts), perplexity_a=a[1], perplexity_b=b[1])
     settings = config.evaluation
     report = build_report(
-        pairs, judge.info(), "A", "B", settings.generation, config.seed, alignment_tax=tax, resamples=1000,
-        length_control_pairs=length_control, anchor_pairs=anchors, min_anchor_pairs=settings.min_anchor_pairs,
+        pairs,
+        judge.info(),
+        "A",
+        "B",
+        settings.generation,
+        config.seed,
+        alignment_tax=tax,
+        resamples=1000,
+        length_control_pairs=length_control,
+        anchor_pairs=anchors,
+        min_anchor_pairs=settings.min_anchor_pairs,
         min_informative_pairs=settings.min_informative_pairs,
     )
     return report.metrics()
@@ -297,7 +322,9 @@ def collapsed_answers(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> t
 
 
 @pytest.fixture(scope="module")
-def baseline(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> tuple[PreTrainedModel, tuple[list[list[Reply]], float]]:
+def baseline(
+    setting: Setting, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PreTrainedModel, tuple[list[list[Reply]], float]]:
     """The baseline of the length-controlled controls: the SFT model with replies of spread lengths, and its
     `SAMPLES` answers to each prompt."""
     model = tilted(setting.sft, {end_of_turn_id(tokenizer): BASELINE_EOT_BIAS})
@@ -322,7 +349,11 @@ def test_sft_replies_cut_to_the_collapsed_lengths_fail_the_gate_though_they_win_
     replies = cut(setting.sft_answers[0], lengths, tokenizer)
     cut_answers = (replies, setting.sft_answers[1])  # the SFT model itself answered: no alignment tax
     evaluation = evaluation_figures(
-        setting.config, setting.prompts, one_each(cut_answers), one_each(setting.sft_answers), brevity_judge(tokenizer),
+        setting.config,
+        setting.prompts,
+        one_each(cut_answers),
+        one_each(setting.sft_answers),
+        brevity_judge(tokenizer),
         tmp_path,
     )
     checks = {check.name: check for check in gate_checks(setting.config.promotion, evaluation, GUARDED_RUN)}
@@ -337,16 +368,18 @@ def test_a_collapsed_run_with_the_guard_off_fails_the_gate_shown_as_guard_disabl
     setting: Setting, collapsed_answers, tokenizer, tmp_path: Path
 ) -> None:
     evaluation = evaluation_figures(
-        setting.config, setting.prompts, one_each(collapsed_answers), one_each(setting.sft_answers),
-        brevity_judge(tokenizer), tmp_path,
+        setting.config,
+        setting.prompts,
+        one_each(collapsed_answers),
+        one_each(setting.sft_answers),
+        brevity_judge(tokenizer),
+        tmp_path,
     )
     training = ppo_run_figures(GUARD_OFF, kl=0.2)  # under the KL bound: KL alone would not stop it
     checks = {check.name: check for check in gate_checks(setting.config.promotion, evaluation, training)}
     described = [check.describe() for check in checks.values()]
     assert checks["kl_to_reference"].passed and checks["win_minus_loss_low"].passed, described
-    assert checks["no_collapse"].describe() == (
-        f"no_collapse = {GUARD_DISABLED} ({NO_COLLAPSE_BOUND}): FAIL"
-    )
+    assert checks["no_collapse"].describe() == (f"no_collapse = {GUARD_DISABLED} ({NO_COLLAPSE_BOUND}): FAIL")
     assert not checks["length_ratio"].passed, described
 
 

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-from fixtures.statistics_by_loop import bootstrap_by_loop, spearman_by_loop
 
+from fixtures.statistics_by_loop import bootstrap_by_loop, spearman_by_loop
 from rlhf_core.statistics import (
     bootstrap_mean_interval,
     cohens_kappa,

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from fixtures.paths import ROOT
 
+from fixtures.paths import ROOT
 from rlhf_core.training.host_allocator import GLIBC_SETTINGS, keep_freed_memory, user_chose_allocator
 
 STEPS = 8

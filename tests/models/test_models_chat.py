@@ -19,9 +19,7 @@ from rlhf_core.models.chat import (
 )
 from rlhf_core.models.tiny import build_tiny_model
 
-SMOLLM2_SYSTEM = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-)
+SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 DIALOGUE = [
     {"role": "user", "content": "What is the capital of France?"},
     {"role": "assistant", "content": "Paris."},
@@ -180,9 +178,7 @@ def test_reply_end_positions_match_reference(side: str) -> None:
     ids, mask, offsets = _pad([row for row, _ in ROWS], side)
     starts = torch.tensor([start + offset for (_, start), offset in zip(ROWS, offsets)])
     ends = reply_end_positions(ids, mask, EOT, starts)
-    expected = [
-        reference_reply_end(ids[b].tolist(), mask[b].tolist(), EOT, int(starts[b])) for b in range(len(ROWS))
-    ]
+    expected = [reference_reply_end(ids[b].tolist(), mask[b].tolist(), EOT, int(starts[b])) for b in range(len(ROWS))]
     assert ends.dtype == torch.long
     assert ends.tolist() == expected
     assert all(mask[b, ends[b]] == 1 for b in range(len(ROWS)))
@@ -205,8 +201,7 @@ def test_reply_end_positions_random_batches_match_reference() -> None:
             padded_starts = torch.tensor([s + o for s, o in zip(starts, offsets)])
             ends = reply_end_positions(ids, mask, EOT, padded_starts)
             expected = [
-                reference_reply_end(ids[b].tolist(), mask[b].tolist(), EOT, int(padded_starts[b]))
-                for b in range(4)
+                reference_reply_end(ids[b].tolist(), mask[b].tolist(), EOT, int(padded_starts[b])) for b in range(4)
             ]
             assert ends.tolist() == expected
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from fixtures.parameters import trainable_names
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+from fixtures.parameters import trainable_names
 from rlhf_core.models.freezing import (
     count_trainable_parameters,
     enable_gradient_checkpointing,
@@ -15,8 +15,13 @@ from rlhf_core.models.freezing import (
 
 def tiny_config(**overrides: object) -> LlamaConfig:
     settings = {
-        "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, **overrides,
+        "vocab_size": 32,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **overrides,
     }
     return LlamaConfig(**settings)
 

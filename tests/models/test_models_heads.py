@@ -17,8 +17,14 @@ from rlhf_core.models.tiny import build_tiny_model
 
 DIALOGUES = [
     ([{"role": "user", "content": "Hi"}], "Hello! How can I help?"),
-    ([{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-      {"role": "user", "content": "Another one?"}], "Red."),
+    (
+        [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one?"},
+        ],
+        "Red.",
+    ),
     ([{"role": "user", "content": "Count to three."}], "One, two, three, and then four, five and six."),
 ]
 
@@ -164,9 +170,7 @@ def test_reward_model_round_trips_exactly(tokenizer, sequences, tmp_path: Path, 
         assert torch.equal(before.lm_logits, after.lm_logits)
 
 
-def test_critic_round_trips_exactly_and_can_start_from_a_reward_model(
-    tokenizer, sequences, tmp_path: Path
-) -> None:
+def test_critic_round_trips_exactly_and_can_start_from_a_reward_model(tokenizer, sequences, tmp_path: Path) -> None:
     ids, mask, starts = pad_batch(sequences, tokenizer.pad_token_id, "right")
     critic = Critic.from_causal_lm(make_lm(tokenizer))
     _with_nonzero_bias(critic.value_head)

@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, load_model
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+
 from fixtures.parameters import trainable_names
 from fixtures.tiny_ppo import (  # noqa: F401
     StageInputs,
     tiny_config,
     write_stage_inputs,
 )
-from peft.tuners.lora import LoraLayer
-from safetensors.torch import load_file, load_model
-from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
-
 from rlhf_core.config import ConfigError, LoraConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
@@ -107,9 +107,7 @@ def test_only_adapters_and_scalar_heads_require_grad() -> None:
     make_trainable(lm, None, LORA, seed=0)
     assert trainable_names(lm) == adapter_names(lm) and len(adapter_names(lm)) == 2 * 2 * 7  # A, B x 2 x 7
 
-    reward_model = RewardModel.from_causal_lm(
-        load_tiny_model()[0], end_of_turn_id(tokenizer), keep_lm_head=True
-    )
+    reward_model = RewardModel.from_causal_lm(load_tiny_model()[0], end_of_turn_id(tokenizer), keep_lm_head=True)
     make_trainable(reward_model, None, LORA, seed=0, heads=[reward_model.score_head])
     assert trainable_names(reward_model) == adapter_names(reward_model) | {
         "score_head.weight",
@@ -320,9 +318,7 @@ def assert_same_weights(first: Path, second: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), first
 
 
-def test_sft_resumed_with_adapters_matches_the_uninterrupted_run(
-    pipeline: StageInputs, tmp_path: Path
-) -> None:
+def test_sft_resumed_with_adapters_matches_the_uninterrupted_run(pipeline: StageInputs, tmp_path: Path) -> None:
     out = tmp_path / "sft"
     with pytest.raises(RuntimeError, match="crash at step 3"):
         run_sft(tiny_config(*SFT_LORA), pipeline.data_dir, out, logger=CrashAtStep(3))
@@ -332,18 +328,13 @@ def test_sft_resumed_with_adapters_matches_the_uninterrupted_run(
         assert_same_weights(pipeline.sft_dir / relative, out / relative)
 
 
-def test_ppo_resumed_with_adapters_matches_the_uninterrupted_run(
-    pipeline: StageInputs, tmp_path: Path
-) -> None:
+def test_ppo_resumed_with_adapters_matches_the_uninterrupted_run(pipeline: StageInputs, tmp_path: Path) -> None:
     out = tmp_path / "ppo"
     config = tiny_config(*PPO_LORA)
     with pytest.raises(RuntimeError, match="crash at step 3"):
         run_ppo(config, pipeline.data_dir, pipeline.sft_dir, pipeline.rm_dir, out, logger=CrashAtStep(3))
     assert not (out / "metrics.json").exists()
-    assert (
-        run_ppo(config, pipeline.data_dir, pipeline.sft_dir, pipeline.rm_dir, out).metrics["resumed_from"]
-        == 2
-    )
+    assert run_ppo(config, pipeline.data_dir, pipeline.sft_dir, pipeline.rm_dir, out).metrics["resumed_from"] == 2
     uninterrupted = pipeline.sft_dir.parent / "ppo"
     for relative in ("model/model.safetensors", "checkpoints/step-00000004/model.safetensors"):
         assert_same_weights(uninterrupted / relative, out / relative)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.chat import render_prompt
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.atomic import atomic_directory
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import build_tiny_model
 

@@ -82,9 +82,7 @@ def test_blocks_hold_sixteen_output_columns_each_padded_with_zeros() -> None:
 
 
 @pytest.mark.slow
-def test_the_library_is_keyed_by_its_source_and_written_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_library_is_keyed_by_its_source_and_written_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = shutil.which(os.environ.get("CC", "cc"))
     assert compiler is not None

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.tiny_ppo import tiny_config
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fixtures.tiny_ppo import tiny_config
 from rlhf_core.config import LoraConfig, RolloutConfig
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.lora import add_lora_adapters
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.experience_maker import PPOModels
-from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.ppo.scoring import RewardModelScorer, response_logprobs
 from rlhf_core.ppo.shared_trunk import SharedTrunk
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
@@ -32,6 +31,7 @@ from rlhf_core.rollout.engine import (
     SamplingParams,
     finish_replies,
 )
+from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.rollout.generation import left_pad, stop_token_ids
 from rlhf_core.rollout.lean_engine import LeanEngine, logits_processors
 

@@ -70,4 +70,6 @@ def test_both_samplers_draw_from_torchs_current_stream() -> None:
         torch.manual_seed(3)
         assert torch.equal(draw(probs, sampler), first)
     torch.manual_seed(3)
-    assert torch.equal(draw(probs, "multinomial"), torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3)).squeeze(1))
+    assert torch.equal(
+        draw(probs, "multinomial"), torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3)).squeeze(1)
+    )

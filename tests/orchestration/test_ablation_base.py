@@ -8,14 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fixtures.tiny_ppo import write_stage_inputs
 from mlflow import MlflowClient
 
+from fixtures.tiny_ppo import write_stage_inputs
+from rlhf_core.stage_outputs import directory_sha256
 from tasks.ablation.base import BaseReference, resolve_base
+from tasks.registry.registered_models import PIPELINE_RUN_TAG
 from tasks.tracking.lineage import DATA_VERSION_TAG, GIT_COMMIT_TAG
 from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, PIPELINE_ROLE, ROLE_TAG, STAGE_ROLE
-from rlhf_core.stage_outputs import directory_sha256
-from tasks.registry.registered_models import PIPELINE_RUN_TAG
 
 pytestmark = pytest.mark.slow  # builds tiny models and an MLflow store
 
@@ -35,8 +35,8 @@ def pipeline(tmp_path: Path) -> tuple[MlflowClient, str, Path, Path]:
     client = MlflowClient(uri)
     experiment = client.create_experiment(EXPERIMENT, artifact_location=(tmp_path / "mlruns").as_uri())
     tags = {ROLE_TAG: PIPELINE_ROLE, GIT_COMMIT_TAG: "abc123", DATA_VERSION_TAG: "d" * 64}
-    tags |= {f"stage.{stage}.out_dir": str(path) for stage, path in
-             (("prepare-data", run_dir / "data"), ("sft", earlier / "sft"), ("reward", run_dir / "reward"))}  # fmt: skip
+    outputs = (("prepare-data", run_dir / "data"), ("sft", earlier / "sft"), ("reward", run_dir / "reward"))
+    tags |= {f"stage.{stage}.out_dir": str(path) for stage, path in outputs}
     client.create_run(experiment, run_name=run_dir.name, tags=tags)
     return client, uri, run_dir, earlier
 
@@ -48,9 +48,18 @@ def resolve(reference: BaseReference, uri: str, tmp_path: Path):
 def test_a_run_directory_finds_its_cached_stages_through_its_mlflow_run(pipeline, tmp_path: Path) -> None:
     _, uri, run_dir, earlier = pipeline
     base = resolve(BaseReference(base=str(run_dir)), uri, tmp_path)
-    assert (base.data.out_dir, base.sft.out_dir, base.reward.out_dir) == (run_dir / "data", earlier / "sft", run_dir / "reward")
-    assert base.sft.sha256 == directory_sha256(earlier / "sft" / "model") and base.sft.model_dir == earlier / "sft" / "model"
-    assert base.data.sha256 == directory_sha256(run_dir / "data") and base.data.model_dir is None  # as the pipeline hashes them
+    assert (base.data.out_dir, base.sft.out_dir, base.reward.out_dir) == (
+        run_dir / "data",
+        earlier / "sft",
+        run_dir / "reward",
+    )
+    assert (
+        base.sft.sha256 == directory_sha256(earlier / "sft" / "model")
+        and base.sft.model_dir == earlier / "sft" / "model"
+    )
+    assert (
+        base.data.sha256 == directory_sha256(run_dir / "data") and base.data.model_dir is None
+    )  # as the pipeline hashes them
     assert base.judge is None
     tags = base.tags()
     assert tags["base.pipeline_run_id"] == base.pipeline_run_id
@@ -64,7 +73,9 @@ def test_a_stage_run_id_and_a_registered_policy_lead_to_the_same_pipeline_run(pi
     by_dir = resolve(BaseReference(base=str(run_dir)), uri, tmp_path)
     parent = by_dir.pipeline_run_id
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
-    stage_run = client.create_run(experiment, run_name="ppo", tags={PARENT_RUN_TAG: parent, ROLE_TAG: STAGE_ROLE}).info.run_id
+    stage_run = client.create_run(
+        experiment, run_name="ppo", tags={PARENT_RUN_TAG: parent, ROLE_TAG: STAGE_ROLE}
+    ).info.run_id
     client.create_registered_model("rlhf-policy")
     client.create_model_version("rlhf-policy", str(run_dir / "sft"), tags={PIPELINE_RUN_TAG: parent})
     for reference in (parent, stage_run, "models:/rlhf-policy/1"):

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.paths import PARAMS, TINY, TINY_GRID
-from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -35,13 +33,15 @@ from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import State
 
+from fixtures.paths import PARAMS, TINY, TINY_GRID
+from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from flows.ablation import AblationResult, AblationSettings, rlhf_ablation
 from rlhf_core.ablation.grid import VariantSpec
 from rlhf_core.ablation.report import COMPARISON_JSON
+from rlhf_core.stage_outputs import directory_sha256
 from rlhf_core.stages import ppo as ppo_stage
 from tasks.tracking.lineage import FLOW_RUN_ID_TAG
 from tasks.tracking.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG
-from rlhf_core.stage_outputs import directory_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,9 @@ def run_and_record(settings: AblationSettings) -> AblationRun:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
-    return AblationRun(state, {run.name: run.state.name for run in task_runs}, {item.key for item in artifacts if item.key})
+    return AblationRun(
+        state, {run.name: run.state.name for run in task_runs}, {item.key for item in artifacts if item.key}
+    )
 
 
 def write_grid(path: Path, *extra: dict) -> Path:
@@ -108,7 +110,9 @@ def all_runs(client: MlflowClient) -> list:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_thread: None, tokenizer) -> Iterator[Scenario]:
+def scenario(
+    tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_thread: None, tokenizer
+) -> Iterator[Scenario]:
     root = tmp_path_factory.mktemp("ablation")
     (root / "base").mkdir()
     write_stage_inputs(root / "base")  # a pipeline run directory: data/, sft/, reward/ ...
@@ -133,9 +137,14 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, one_
         }
         with pytest.MonkeyPatch.context() as crash:
             crash.setattr(ppo_stage, "run_ppo", failing_for_value_clip_0_1(ppo_stage.run_ppo))
-            runs["failing"] = run_and_record(AblationSettings(grid=str(write_grid(root / "failing.yaml", FAILING, HANDED_ON_START)), **common))
+            runs["failing"] = run_and_record(
+                AblationSettings(grid=str(write_grid(root / "failing.yaml", FAILING, HANDED_ON_START)), **common)
+            )
         before = len(all_runs(client))
-        bad = [VariantSpec(name="fine", preset="vanilla"), VariantSpec(name="typo", preset="ppo_max", overrides=["ppo.value_clipp=null"])]
+        bad = [
+            VariantSpec(name="fine", preset="vanilla"),
+            VariantSpec(name="typo", preset="ppo_max", overrides=["ppo.value_clipp=null"]),
+        ]
         runs["bad"] = run_and_record(AblationSettings(variants=bad, **common))
         yield Scenario(root=root, client=client, runs=runs, runs_before_bad=before)
         APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
@@ -162,7 +171,9 @@ def test_a_two_variant_grid_trains_and_evaluates_both(scenario: Scenario) -> Non
         assert variant.ppo.out_dir == result.run_dir / variant.name / "ppo"
         assert variant.evaluation.out_dir == result.run_dir / variant.name / "eval"
     vanilla, ppo_max = (json.loads((item.ppo.out_dir / "metrics.json").read_text()) for item in result.variants)
-    assert vanilla["critic_pretrain_steps"] == 0 and ppo_max["critic_pretrain_steps"] >= 1  # the presets, not the base's
+    assert (
+        vanilla["critic_pretrain_steps"] == 0 and ppo_max["critic_pretrain_steps"] >= 1
+    )  # the presets, not the base's
     assert {"ablation-summary", "ablation-comparison"} <= run.artifacts
     # the SFT model was sampled once for all the scenario's evaluations: one stored entry per model
     evaluated = completed(scenario.runs["added"]).variants
@@ -196,9 +207,14 @@ def test_mlflow_has_a_parent_run_with_the_comparison_and_a_nested_run_per_varian
     assert tags["base.judge-reward.sha256"] == directory_sha256(scenario.root / "base" / "judge_reward" / "model")
     assert {"git.commit", "config.sha256", "prefect.flow_run_id"} <= set(tags)
     artifacts = {item.path for item in client.list_artifacts(parent.info.run_id, "comparison")}
-    assert {f"comparison/{name}" for name in ("comparison.md", "comparison.json", "monitors.png", "outcomes.png", "variants.json")} <= artifacts
+    assert {
+        f"comparison/{name}"
+        for name in ("comparison.md", "comparison.json", "monitors.png", "outcomes.png", "variants.json")
+    } <= artifacts
 
-    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'"
+    )
     by_name = {child.info.run_name: child for child in children}
     assert set(by_name) == {"vanilla", "ppo_max", "evaluate[vanilla]", "evaluate[ppo_max]"}
     for variant in result.variants:
@@ -223,9 +239,15 @@ def test_the_comparison_holds_the_numbers_of_each_variants_own_metrics(scenario:
         ppo = json.loads((variant.ppo.out_dir / "metrics.json").read_text())
         judged = json.loads((variant.evaluation.out_dir / "metrics.json").read_text())
         assert row["final_kl"] == ppo["last/kl/token_k3"] and row["selected_kl"] == ppo["val/kl_best"]
-        assert row["held_out_gain"] == {"mean": ppo["val/reward_gain"], "low": ppo["val/reward_gain_low"], "high": ppo["val/reward_gain_high"]}
+        assert row["held_out_gain"] == {
+            "mean": ppo["val/reward_gain"],
+            "low": ppo["val/reward_gain_low"],
+            "high": ppo["val/reward_gain_high"],
+        }
         assert row["judge_win_minus_lose"] == {
-            "mean": judged["win_minus_loss"], "low": judged["win_minus_loss_low"], "high": judged["win_minus_loss_high"]
+            "mean": judged["win_minus_loss"],
+            "low": judged["win_minus_loss_low"],
+            "high": judged["win_minus_loss_high"],
         }
         assert row["ppo_minutes"] == ppo["wall_time_s"] / 60 and row["eval_minutes"] == judged["wall_time_s"] / 60
         assert row["guard_stop_step"] == ppo.get("guard_stop_step") and row["judge_in_sample"] is False
@@ -258,7 +280,9 @@ def test_a_failed_variant_stops_no_other_and_fails_the_flow_after_the_comparison
     assert parent.data.tags["variant.boom.state"] == "failed" and parent.data.tags["variant.vanilla.state"] == "cached"
     known = {completed(scenario.runs[name]).run_dir for name in ("first", "again", "added")}
     (ablation_dir,) = set((scenario.root / "runs" / "ablations").iterdir()) - known
-    rows = {row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]}
+    rows = {
+        row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]
+    }
     assert "simulated failure of this variant" in rows["boom"]["error"] and rows["boom"]["final_kl"] is None
     assert rows["vanilla"]["error"] is None and rows["vanilla"]["judge_win_minus_lose"] is not None
 
@@ -270,7 +294,9 @@ def test_a_variant_that_hands_on_its_start_is_not_evaluated(scenario: Scenario) 
     (ablation_dir,) = set((scenario.root / "runs" / "ablations").iterdir()) - known
     assert json.loads((ablation_dir / "start" / "ppo" / "selection.json").read_text())["chosen_step"] == 0
     assert not (ablation_dir / "start" / "eval" / "generations.jsonl").exists()  # nothing sampled or judged
-    rows = {row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]}
+    rows = {
+        row["variant"]: row for row in json.loads((ablation_dir / "comparison" / COMPARISON_JSON).read_text())["rows"]
+    }
     assert "identical models, not evaluated" in rows["start"]["not_evaluated"]
     assert rows["start"]["lc_win_rate"] is None and rows["start"]["judge_win_minus_lose"] is None
     markdown = (ablation_dir / "comparison" / "comparison.md").read_text()

@@ -18,11 +18,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
-
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -61,11 +61,15 @@ def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path:
         "OMP_NUM_THREADS": "1",
     }
     command = ablate_command(tmp_path / "base", tmp_path / "runs")
-    ppo_dir = kill_at_first_checkpoint(command, tmp_path, env, tmp_path / "runs", "ablations/*/vanilla/ppo", START_DEADLINE_S)
+    ppo_dir = kill_at_first_checkpoint(
+        command, tmp_path, env, tmp_path / "runs", "ablations/*/vanilla/ppo", START_DEADLINE_S
+    )
     checkpointed = [int(path.name.split("-")[1]) for path in complete_checkpoints(ppo_dir / "checkpoints")]
     assert not (ppo_dir / "metrics.json").exists()
 
-    rerun = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S)
+    rerun = subprocess.run(
+        command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_DEADLINE_S
+    )
 
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     terminal = rerun.stdout + rerun.stderr

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import typer
+from mlflow import MlflowClient
+from typer.testing import CliRunner
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, without_quiet_switches
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
-from mlflow import MlflowClient
-from typer.testing import CliRunner
-
 from rlhf_cli import run_commands
 
 pytestmark = pytest.mark.slow

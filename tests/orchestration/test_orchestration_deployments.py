@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.paths import ROOT
 from prefect.events import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 
+from fixtures.paths import ROOT
 from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
 
 
@@ -22,14 +22,18 @@ def declared() -> dict[str, dict]:
 
 def test_prefect_yaml_declares_exactly_the_served_deployments(declared: dict[str, dict]) -> None:
     served = {spec.name for spec in DEPLOYMENTS}
-    assert set(declared) == served == {
-        "rlhf-pipeline",
-        "rlhf-retrain",
-        "rlhf-promote",
-        "rlhf-human-eval",
-        "rlhf-ablation",
-        "rlhf-stage",
-    }
+    assert (
+        set(declared)
+        == served
+        == {
+            "rlhf-pipeline",
+            "rlhf-retrain",
+            "rlhf-promote",
+            "rlhf-human-eval",
+            "rlhf-ablation",
+            "rlhf-stage",
+        }
+    )
 
 
 @pytest.mark.parametrize("spec", DEPLOYMENTS, ids=lambda spec: spec.name)

@@ -19,14 +19,14 @@ from prefect.logging.handlers import APILogWorker
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline
-from rlhf_core.stages import sft as sft_stage
 from rlhf_core.config import load_config
-from tasks.stages import stage_tasks as stages
+from rlhf_core.stage_outputs import file_sha256
+from rlhf_core.stages import sft as sft_stage
 from tasks.execution.caching import keyed_section_hash
 from tasks.execution.concurrency import ensure_training_limit, training_slot
+from tasks.stages import stage_tasks as stages
 from tasks.tracking.lineage import DATA_SOURCE_TAG, DATA_VERSION_TAG, GIT_COMMIT_TAG, git_state
 from tasks.tracking.mlflow_runs import ERROR_TAG, PARENT_RUN_TAG, STAGE_TAG
-from rlhf_core.stage_outputs import file_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -170,9 +170,13 @@ def test_runs_record_the_data_they_trained_on_and_each_stage_the_lineage_of_its_
     parent = mlflow_store.get_run(result.mlflow_run_id)
     assert set(result.stage_minutes) == {"prepare-data", "sft"} and min(result.stage_minutes.values()) > 0
     minutes = {key: value for key, value in parent.data.metrics.items() if key.startswith("minutes.")}
-    assert minutes == pytest.approx({"minutes.prepare-data": result.stage_minutes["prepare-data"],
-                                     "minutes.sft": result.stage_minutes["sft"],
-                                     "minutes.total": sum(result.stage_minutes.values())})
+    assert minutes == pytest.approx(
+        {
+            "minutes.prepare-data": result.stage_minutes["prepare-data"],
+            "minutes.sft": result.stage_minutes["sft"],
+            "minutes.total": sum(result.stage_minutes.values()),
+        }
+    )
     assert f"stage sft: {result.outputs['sft'].out_dir} ({result.stage_minutes['sft']:.1f} min)" in result.summary()
     assert parent.data.params["data.source"] == str(data)  # not params.yaml's Anthropic/hh-rlhf
     assert parent.data.tags[DATA_SOURCE_TAG] == str(data)

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures.paths import PARAMS, ROOT, TINY
-from fixtures.servers import log_tail, start_server, stop_server
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
@@ -31,8 +29,8 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from fixtures.pairs import write_topic_pairs
-from tasks.tracking.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
-from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
+from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.servers import log_tail, start_server, stop_server
 from tasks.registry.registered_models import (
     CHALLENGER_ALIAS,
     EVALUATION_STATUS_TAG,
@@ -42,6 +40,8 @@ from tasks.registry.registered_models import (
     REWARD_VERSION_TAG,
     STAGE_RUN_TAG,
 )
+from tasks.tracking.lineage import CONFIG_TAG, DATA_VERSION_TAG, DEPENDENCIES_TAG, FLOW_RUN_ID_TAG, GIT_COMMIT_TAG
+from tasks.tracking.mlflow_runs import PARENT_RUN_TAG, ROLE_TAG, STAGE_TAG
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, prefect_server: str, mlfl
             wait_for_deployment(server, SERVE_START_TIMEOUT_S)
             runs["A"] = run_and_record({"settings": settings})
             runs["B"] = run_and_record({"settings": settings})
-            runs["C"] = run_and_record({"settings": {**settings, "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4", "ppo.critic_lr=2e-4"]}})
+            runs["C"] = run_and_record(
+                {"settings": {**settings, "overrides": ["ppo.steps=2", "ppo.policy_lr=2e-4", "ppo.critic_lr=2e-4"]}}
+            )
         yield Scenario(project=project, tracking_uri=mlflow_server, runs=runs)
     finally:
         stop_server(server)

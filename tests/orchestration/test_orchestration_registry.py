@@ -1,4 +1,5 @@
-"""tasks/registry/registered_models.py against an embedded SQLite tracking store: the policy is registered as a chat model
+"""tasks/registry/registered_models.py against an embedded SQLite tracking store: the policy is registered as a
+chat model
 that stops at the end-of-turn token and answers /invocations with one OpenAI chat completion naming its
 registered version, the reward model as a scorer, versions are reused for unchanged content, and the
 `challenger` alias follows the newest policy. Both registered models are stored as a code file and
@@ -12,18 +13,18 @@ import mlflow
 import pytest
 import torch
 import yaml
-from fixtures.stage_outputs import stage_output
 from mlflow import MlflowClient
 from mlflow.pyfunc.scoring_server import init as scoring_app
 from starlette.testclient import TestClient
 
+from fixtures.stage_outputs import stage_output
 from rlhf_core.config import ModelConfig
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_conversation, end_of_turn_id
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.saving import save_causal_lm
-from tasks.registry import registered_models as registry
 from rlhf_core.stage_outputs import StageOutput
+from tasks.registry import registered_models as registry
 from tasks.registry.registered_models import CHALLENGER_ALIAS, CONTENT_TAG, register
 from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 
@@ -222,7 +223,9 @@ def pickled_files(stored: Path) -> list[str]:
         if not path.is_file():
             continue
         content = path.read_bytes()
-        by_content = (content[:1] == b"\x80" and content[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or b"data.pkl" in content
+        by_content = (
+            content[:1] == b"\x80" and content[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+        ) or b"data.pkl" in content
         if path.name.endswith(PICKLE_SUFFIXES) or by_content:
             found.append(path.relative_to(stored).as_posix())
     return found

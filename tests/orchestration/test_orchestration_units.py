@@ -6,23 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.paths import PARAMS, ROOT, TINY
 from prefect.states import Completed, Failed
 
+from fixtures.paths import PARAMS, ROOT, TINY
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline, stages_to_run
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.readers import DataSourceError
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.distributed.launcher import RankFailedError
 from rlhf_core.output_lock import OutputLockedError
-from rlhf_core.stages.training_run import ResumeMismatchError
-from tasks.stages.artifacts import read_samples, summary_markdown
-from tasks.execution.caching import code_fingerprint, source_fingerprint, stage_cache_key
-from tasks.data.data_source import resolve_data_source
-from tasks.tracking.lineage import config_sha256, dependency_set_sha256, git_state
 from rlhf_core.stage_outputs import StageOutput, directory_sha256, output_sha256
+from rlhf_core.stages.training_run import ResumeMismatchError
+from tasks.data.data_source import resolve_data_source
+from tasks.execution.caching import code_fingerprint, source_fingerprint, stage_cache_key
 from tasks.execution.retries import is_retryable
+from tasks.stages.artifacts import read_samples, summary_markdown
 from tasks.stages.stage_runs import STAGE_SECTIONS
+from tasks.tracking.lineage import config_sha256, dependency_set_sha256, git_state
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +235,21 @@ def test_summary_markdown_names_output_hash_run_and_metrics(tmp_path: Path) -> N
 
 def test_summary_markdown_shows_a_reward_models_skill_beyond_length(tmp_path: Path) -> None:
     metrics = {
-        "val/accuracy": 0.65, "val/accuracy_low": 0.607, "val/accuracy_high": 0.69,
-        "val/length_rule_accuracy": 0.572, "val/length_rule_prefers_shorter": 1.0,
-        "val/balanced_accuracy": 0.6236, "val/accuracy_chosen_shorter": 0.789, "val/pairs_chosen_shorter": 289.0,
-        "val/accuracy_chosen_longer": 0.458, "val/pairs_chosen_longer": 216.0,
-        "val/length_matched_pairs": 0.0, "val/auc_gain_over_length": 0.051,
-        "val/auc_gain_over_length_low": 0.02, "val/auc_gain_over_length_high": 0.08, "val/reward_length_spearman": -0.55,
+        "val/accuracy": 0.65,
+        "val/accuracy_low": 0.607,
+        "val/accuracy_high": 0.69,
+        "val/length_rule_accuracy": 0.572,
+        "val/length_rule_prefers_shorter": 1.0,
+        "val/balanced_accuracy": 0.6236,
+        "val/accuracy_chosen_shorter": 0.789,
+        "val/pairs_chosen_shorter": 289.0,
+        "val/accuracy_chosen_longer": 0.458,
+        "val/pairs_chosen_longer": 216.0,
+        "val/length_matched_pairs": 0.0,
+        "val/auc_gain_over_length": 0.051,
+        "val/auc_gain_over_length_low": 0.02,
+        "val/auc_gain_over_length_high": 0.08,
+        "val/reward_length_spearman": -0.55,
     }
     output = StageOutput(stage="reward", out_dir=tmp_path, sha256="ab" * 32, metrics=metrics)
     text = summary_markdown(output, "run-1")

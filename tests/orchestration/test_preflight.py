@@ -11,17 +11,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+# imported with the module, not in a test: importing MLflow runs `uname`, a process; and the S3 client's modules
+import tasks.execution.transfer  # noqa: F401
+import tasks.tracking.metrics_logger  # noqa: F401
 from fixtures.commands import RLHF_COMMAND
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.servers import S3Server, free_port
-from prefect.settings import PREFECT_API_URL, temporary_settings
-
-import tasks.tracking.metrics_logger  # imported with the module, not in a test: importing MLflow runs `uname`, a process
-import tasks.execution.transfer  # noqa: F401 - and the S3 client's modules
 from tasks.data.dvc_data import run_dvc
-from tasks.services.probes import Service, ServiceUnreachableError, check_services
 from tasks.preflight import dvc_remote_services, prefect_api_services, stage_store_services, tracking_services
+from tasks.services.probes import Service, ServiceUnreachableError, check_services
 
 # A guard against the old behaviour (minutes of client retries), not a measurement.
 COMMAND_TIMEOUT_S = 120

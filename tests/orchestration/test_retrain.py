@@ -23,14 +23,14 @@ from uuid import UUID
 
 import pytest
 import typer
-from fixtures.pairs import write_topic_pairs
-from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName
 from prefect.client.schemas.objects import FlowRun
 from typer.testing import CliRunner
 
+from fixtures.pairs import write_topic_pairs
+from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from flows.deployments import DEPLOYMENTS, runner_deployment
 from flows.pipeline import PipelineSettings
 from flows.retrain import (
@@ -94,7 +94,9 @@ def test_retrain_pulls_the_data_runs_the_pipeline_and_ends_with_a_promotion_deci
     assert (pipeline.data.kind, pipeline.data.version) == ("dvc", data_version(Path("data/raw").resolve()))
     evaluation = pipeline.outputs["evaluate"]
     (judged,) = [line for line in pipeline.summary().splitlines() if line.startswith("evaluation:")]
-    assert judged.startswith("evaluation: PPO policy (A) vs SFT model (B), judged by the independent judge reward model")
+    assert judged.startswith(
+        "evaluation: PPO policy (A) vs SFT model (B), judged by the independent judge reward model"
+    )
     assert "IN-SAMPLE" not in judged  # the independent judge reward model, the default
 
     client = MlflowClient(project)

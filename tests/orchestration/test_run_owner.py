@@ -10,9 +10,9 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
+from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 from tasks.tracking.mlflow_runs import ERROR_TAG, ORPHAN_ERROR, close_orphaned_runs
 from tasks.tracking.run_owner import HOST_TAG, PID_TAG, STARTED_TAG, owner_tags
-from tasks.tracking.metrics_logger import get_or_create_experiment, local_artifact_location
 
 # A process that opens a stage run and is killed inside it, as SIGKILL leaves one.
 KILLED_INSIDE_A_STAGE = """
@@ -42,7 +42,9 @@ def test_a_killed_stage_run_is_closed_failed_by_the_next_sweep(store: tuple[Mlfl
     parent = run_with_tags(client, experiment_id, owner_tags())
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_INSIDE_A_STAGE, client.tracking_uri, experiment_id, parent],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
     orphan, pid = killed.stdout.split()

@@ -25,18 +25,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
+
 from fixtures.commands import RLHF_COMMAND, summary_lines
 from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.servers import free_port, prefect_settings_server, start_mlflow_server, start_prefect_server, stop_server
-from mlflow import MlflowClient
-
 from rlhf_core.layout import METRICS_FILE
-from rlhf_core.training.checkpoint import complete_checkpoints
-from tasks.tracking.mlflow_runs import close_run
 from rlhf_core.stage_outputs import directory_sha256
-from tasks.services.service_outages import FILE_LEASE_STORAGE, MEMORY_LEASE_STORAGE, lost_service_line, memory_leases_warning
+from rlhf_core.training.checkpoint import complete_checkpoints
+from tasks.services.service_outages import (
+    FILE_LEASE_STORAGE,
+    MEMORY_LEASE_STORAGE,
+    lost_service_line,
+    memory_leases_warning,
+)
+from tasks.tracking.mlflow_runs import close_run
 
 OUTAGE_S = 20
 SFT_STEPS = 40  # SFT long enough to be mid-stage through a server's outage and its restart

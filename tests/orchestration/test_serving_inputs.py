@@ -31,18 +31,17 @@ from typing import Any
 
 import mlflow
 import pytest
-from fixtures.paths import ROOT
 from mlflow.pyfunc.scoring_server import init as scoring_app
 from starlette.testclient import TestClient
 
+from fixtures.paths import ROOT
 from rlhf_core.config import ModelConfig
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import TINY_MAX_POSITIONS
-from tasks.serving.chat_policy import ChatPolicy
-from tasks.serving.chat_request import ChatRequestError, parse_request, reply_budget
 from tasks.registry.registered_models import CHAT_POLICY_CODE
-from tasks.serving.chat_policy import POLICY_ARTIFACT
+from tasks.serving.chat_policy import POLICY_ARTIFACT, ChatPolicy
+from tasks.serving.chat_request import ChatRequestError, parse_request, reply_budget
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 GOOD = {"messages": HELLO, "max_tokens": 4, "temperature": 0}
@@ -58,7 +57,10 @@ BAD_REQUESTS: list[tuple[Any, str]] = [
     ({"messages": []}, "messages: List should have at least 1 item"),
     ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
     ({"messages": [{"role": "user", "content": 123}]}, "messages.0.content: Input should be a valid string"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role: Input should be 'system', 'user' or 'assistant'"),
+    (
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        "messages.0.role: Input should be 'system', 'user' or 'assistant'",
+    ),
     ({"messages": HELLO, "max_tokens": "8"}, "max_tokens: Input should be a valid integer"),
     ({"messages": HELLO, "max_tokens": True}, "max_tokens: Input should be a valid integer"),
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
@@ -85,15 +87,22 @@ def test_the_reply_must_fit_the_context() -> None:
     assert reply_budget(asked, prompt_tokens=20, context=2048) == 100
     assert reply_budget(parse_request({"messages": HELLO}), prompt_tokens=20, context=2048) == 256
     assert reply_budget(parse_request({"messages": HELLO}), prompt_tokens=2000, context=2048) == 48  # clamped
-    with pytest.raises(ChatRequestError, match=r"max_tokens: 100 is more than the 48 tokens a reply may have after this 2000-token prompt \(the model's context is 2048 tokens\)"):
+    with pytest.raises(
+        ChatRequestError,
+        match=r"max_tokens: 100 is more than the 48 tokens a reply may have after this 2000-token prompt "
+        r"\(the model's context is 2048 tokens\)",
+    ):
         reply_budget(asked, prompt_tokens=2000, context=2048)
-    with pytest.raises(ChatRequestError, match=r"messages: the prompt is 2048 tokens, and this model's context is 2048 tokens"):
+    with pytest.raises(
+        ChatRequestError, match=r"messages: the prompt is 2048 tokens, and this model's context is 2048 tokens"
+    ):
         reply_budget(asked, prompt_tokens=2048, context=2048)
 
 
 @pytest.fixture(scope="module")
 def saved_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random policy saved as the chat pyfunc, from code, as registration logs it (tasks/registry/registered_models.py)."""
+    """A tiny random policy saved as the chat pyfunc, from code, as registration logs it
+    (tasks/registry/registered_models.py)."""
     root = tmp_path_factory.mktemp("policy")
     save_causal_lm(*load_base_model(ModelConfig(kind="tiny")), root / "model")
     mlflow.pyfunc.save_model(
@@ -109,7 +118,9 @@ def saved_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def policy(saved_policy: Path) -> ChatPolicy:
     chat = ChatPolicy()
-    chat.load_context(SimpleNamespace(artifacts={POLICY_ARTIFACT: str(saved_policy / "artifacts" / "model")}, model_config={}))
+    chat.load_context(
+        SimpleNamespace(artifacts={POLICY_ARTIFACT: str(saved_policy / "artifacts" / "model")}, model_config={})
+    )
     return chat
 
 
@@ -126,7 +137,9 @@ def test_huge_max_tokens_and_an_oversized_prompt_are_refused_before_generating(
     with pytest.raises(ChatRequestError, match=r"messages: the prompt is \d+ tokens, and this model's context is 2048"):
         policy.predict(None, words)
     flood = {"messages": [{"role": "user", "content": "x" * (32 * 2048 + 1)}]}
-    with pytest.raises(ChatRequestError, match=r"messages: 65537 characters cannot fit this model's context of 2048 tokens"):
+    with pytest.raises(
+        ChatRequestError, match=r"messages: 65537 characters cannot fit this model's context of 2048 tokens"
+    ):
         policy.predict(None, flood)
 
 
@@ -144,7 +157,9 @@ def scoring_client(saved_policy: Path) -> TestClient:
 
 
 def test_the_scoring_server_answers_bad_requests_with_400_and_the_reason(scoring_client: TestClient) -> None:
-    malformed = scoring_client.post("/invocations", content=b'{"messages": [', headers={"content-type": "application/json"})
+    malformed = scoring_client.post(
+        "/invocations", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert malformed.status_code == 400 and "valid JSON" in malformed.json()["message"]
     for body, words in BAD_REQUESTS[3:-1]:  # with `messages`: the policy's own checks decide
         response = scoring_client.post("/invocations", json=body)

@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.pairs import write_topic_pairs
-from fixtures.paths import PARAMS, TINY
-from fixtures.tiny_ppo import tiny_config
 from mlflow import MlflowClient
 
 import flows.pipeline as pipeline
+from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, TINY
+from fixtures.tiny_ppo import tiny_config
 from flows.pipeline import PipelineSettings, Stage, rlhf_pipeline, run_stages, stages_in_order, stages_to_run
 from flows.stage_clock import StageClock
 from rlhf_core.distributed.launcher import LaunchStoppedError
-from tasks.execution.core_share import CORE_SHARE
-from tasks.tracking.mlflow_runs import TrackingTarget
 from rlhf_core.stage_outputs import StageOutput
+from tasks.execution.core_share import CORE_SHARE
 from tasks.stages.remote import RemoteStages
 from tasks.stages.stage_runs import StageContext
 from tasks.stages.stage_tasks import reward_task, sft_task
+from tasks.tracking.mlflow_runs import TrackingTarget
 
 WAIT_SECONDS = 30.0  # what a stub waits for the other side at most (a bound, never a measurement)
 

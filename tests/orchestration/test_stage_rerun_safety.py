@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import (  # noqa: F401
@@ -18,7 +19,6 @@ from fixtures.tiny_ppo import (  # noqa: F401
     save_sft_output,
     tiny_config,
 )
-
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.stages.ppo import run_ppo
 from rlhf_core.stages.reward import run_train_rm

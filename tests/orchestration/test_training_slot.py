@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from fixtures.servers import prefect_settings_server
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
+from fixtures.servers import prefect_settings_server
 from tasks.execution import concurrency
 from tasks.execution.concurrency import shared_training_slot, training_lock, training_slot
 from tasks.services.service_outages import MEMORY_LEASE_STORAGE
@@ -79,7 +79,8 @@ def test_a_second_holder_waits_for_the_first_and_says_whom_it_waits_for(tmp_path
         concurrency.logger.setLevel(level)
     assert order == ["first released", "second acquired"]
     assert len(messages) == 1
-    waiting = f"waiting for this machine's training slot, held by pid {os.getpid()} on host {os.uname().nodename} (stage sft, started 20"
+    holder = f"pid {os.getpid()} on host {os.uname().nodename}"
+    waiting = f"waiting for this machine's training slot, held by {holder} (stage sft, started 20"
     assert messages[0].startswith(waiting) and messages[0].endswith(f") ({path})")
 
 

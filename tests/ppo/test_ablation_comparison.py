@@ -19,7 +19,9 @@ from rlhf_core.ablation.report import (
 from rlhf_core.ablation.summary import signed_interval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-GUARD_MESSAGE = "collapse guard stopped the run at step 5: per-token KL to the reference 0.7 > max_kl 0.5 [bound: max_kl]"
+GUARD_MESSAGE = (
+    "collapse guard stopped the run at step 5: per-token KL to the reference 0.7 > max_kl 0.5 [bound: max_kl]"
+)
 
 
 def write_ppo_output(directory: Path, kl_per_step: float, reward_per_step: float, steps: int, stop: bool) -> dict:
@@ -67,9 +69,13 @@ def write_eval_output(directory: Path, win_minus_loss: float, lc_win_rate: float
 
 
 def test_rows_and_report_hold_each_variants_own_figures(tmp_path: Path) -> None:
-    vanilla_ppo = write_ppo_output(tmp_path / "vanilla" / "ppo", kl_per_step=0.14, reward_per_step=0.5, steps=5, stop=True)
+    vanilla_ppo = write_ppo_output(
+        tmp_path / "vanilla" / "ppo", kl_per_step=0.14, reward_per_step=0.5, steps=5, stop=True
+    )
     vanilla_eval = write_eval_output(tmp_path / "vanilla" / "eval", win_minus_loss=-0.4, lc_win_rate=0.5)
-    stable_ppo = write_ppo_output(tmp_path / "ppo_max" / "ppo", kl_per_step=0.01, reward_per_step=0.1, steps=8, stop=False)
+    stable_ppo = write_ppo_output(
+        tmp_path / "ppo_max" / "ppo", kl_per_step=0.01, reward_per_step=0.1, steps=8, stop=False
+    )
     stable_eval = write_eval_output(tmp_path / "ppo_max" / "eval", win_minus_loss=0.25, lc_win_rate=0.6)
     files = [
         VariantFiles("vanilla", "vanilla", tmp_path / "vanilla" / "ppo", tmp_path / "vanilla" / "eval"),
@@ -84,13 +90,19 @@ def test_rows_and_report_hold_each_variants_own_figures(tmp_path: Path) -> None:
     for row, ppo_metrics, eval_metrics in ((rows[0], vanilla_ppo, vanilla_eval), (rows[1], stable_ppo, stable_eval)):
         assert row.final_kl == ppo_metrics["last/kl/token_k3"] and row.selected_kl == ppo_metrics["val/kl_best"]
         assert (row.held_out_gain.mean, row.held_out_gain.low, row.held_out_gain.high) == (
-            ppo_metrics["val/reward_gain"], ppo_metrics["val/reward_gain_low"], ppo_metrics["val/reward_gain_high"]
+            ppo_metrics["val/reward_gain"],
+            ppo_metrics["val/reward_gain_low"],
+            ppo_metrics["val/reward_gain_high"],
         )
         assert (row.judge_win_minus_lose.mean, row.judge_win_minus_lose.low, row.judge_win_minus_lose.high) == (
-            eval_metrics["win_minus_loss"], eval_metrics["win_minus_loss_low"], eval_metrics["win_minus_loss_high"]
+            eval_metrics["win_minus_loss"],
+            eval_metrics["win_minus_loss_low"],
+            eval_metrics["win_minus_loss_high"],
         )
         assert (row.lc_win_rate.mean, row.lc_win_rate.low, row.lc_win_rate.high) == (
-            eval_metrics["lc_win_rate"], eval_metrics["lc_win_rate_low"], eval_metrics["lc_win_rate_high"]
+            eval_metrics["lc_win_rate"],
+            eval_metrics["lc_win_rate_low"],
+            eval_metrics["lc_win_rate_high"],
         )
         assert row.length_matched_win_minus_lose.mean == eval_metrics["length_matched/win_minus_loss"]
         assert (row.length_matched_pairs, row.length_ratio) == (61, 0.8)

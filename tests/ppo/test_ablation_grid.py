@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.paths import PARAMS, ROOT, TINY
 
+from fixtures.paths import PARAMS, ROOT, TINY
 from rlhf_core.ablation.grid import GridSpec, VariantSpec, plan_ablation, read_grid
 from rlhf_core.config import PPO_PRESETS, ConfigError
 
@@ -36,7 +36,9 @@ def test_the_paper_grid_is_vanilla_ppo_max_and_ppo_max_without_each_detail() -> 
     by_name = {variant.name: variant for variant in plan.variants}
     assert switches(by_name["vanilla"]) == PPO_PRESETS["vanilla"]
     assert switches(by_name["ppo_max"]) == PPO_PRESETS["ppo_max"]
-    assert {name: differences(variant, "ppo_max") for name, variant in by_name.items() if name.startswith("ppo_max-")} == {
+    assert {
+        name: differences(variant, "ppo_max") for name, variant in by_name.items() if name.startswith("ppo_max-")
+    } == {
         "ppo_max-no_reward_norm": {"reward_normalization": False, "reward_clip": None},
         "ppo_max-no_value_clip": {"value_clip": None},
         "ppo_max-no_critic_pretrain": {"critic_pretrain_steps": 0},
@@ -84,9 +86,13 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     assert by_name["ppo_max-no_unfinished_penalty"].unfinished_penalty == 0.0 != base.unfinished_penalty
     assert by_name["ppo_max-cap128"].rollout.max_new_tokens == 128 != base.rollout.max_new_tokens
     window = by_name["ppo_max-cap128-window4"]
-    assert (window.rollout.max_new_tokens, window.guard.length_window) == (128, 4) != (
-        base.rollout.max_new_tokens,
-        base.guard.length_window,
+    assert (
+        (window.rollout.max_new_tokens, window.guard.length_window)
+        == (128, 4)
+        != (
+            base.rollout.max_new_tokens,
+            base.guard.length_window,
+        )
     )
     assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
     assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr
@@ -159,7 +165,10 @@ def test_a_malformed_grid_file_names_the_entry(tmp_path: Path, variants: list[di
 
 def test_two_variants_with_the_same_settings_would_be_one_run_and_are_refused() -> None:
     grid = GridSpec(
-        variants=[VariantSpec(name="ppo_max", preset="ppo_max"), VariantSpec(name="same", preset="ppo_max", overrides=["ppo.kl_coef=0.01"])]
+        variants=[
+            VariantSpec(name="ppo_max", preset="ppo_max"),
+            VariantSpec(name="same", preset="ppo_max", overrides=["ppo.kl_coef=0.01"]),
+        ]
     )
     with pytest.raises(ConfigError, match="variants 'ppo_max' and 'same' resolve to the same PPO settings"):
         plan_ablation(grid, PARAMS)
@@ -167,7 +176,10 @@ def test_two_variants_with_the_same_settings_would_be_one_run_and_are_refused() 
 
 def test_only_selects_variants_and_refuses_unknown_names() -> None:
     grid = read_grid(GRIDS / "paper.yaml")
-    assert [variant.name for variant in plan_ablation(grid, PARAMS, only=["ppo_max", "vanilla"]).variants] == ["vanilla", "ppo_max"]
+    assert [variant.name for variant in plan_ablation(grid, PARAMS, only=["ppo_max", "vanilla"]).variants] == [
+        "vanilla",
+        "ppo_max",
+    ]
     with pytest.raises(ConfigError, match="no variant named 'ppo-max'; the grid has"):
         plan_ablation(grid, PARAMS, only=["ppo-max"])
 
@@ -191,6 +203,7 @@ def test_rlhf_ablate_refuses_a_bad_variant_before_the_flow_starts(
         main()
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith(
-        "rlhf: error: invalid ablation grid grid: variant 'bad': ppo.kl_coef: Input should be greater than or equal to 0"
+        "rlhf: error: invalid ablation grid grid: variant 'bad': ppo.kl_coef: Input should be greater than or "
+        "equal to 0"
     )
     assert not (tmp_path / "runs").exists()

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from fixtures.masks import right_padded_mask
 
+from fixtures.masks import right_padded_mask
 from rlhf_core.ppo.advantages import clip_advantages, gae, whiten_advantages
 from rlhf_core.ppo.masked import masked_mean, masked_var
 

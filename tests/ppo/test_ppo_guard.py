@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pydantic import ValidationError
 
 from rlhf_core.config import CollapseGuardConfig, PromotionConfig

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_ppo import StageInputs, tiny_config
 from transformers import PreTrainedTokenizerBase
 
+from fixtures.tiny_ppo import StageInputs, tiny_config
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
 from rlhf_core.models.tiny import build_tiny_model
@@ -109,7 +109,6 @@ class VariedEngine:
     def __init__(self, eot: int) -> None:
         self.eot = eot
         self.batches = 0  # generate calls: the sampling work done
-
 
     def sync_weights(self, policy: object) -> None:
         pass

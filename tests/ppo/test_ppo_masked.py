@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from fixtures.masks import right_padded_mask
 
+from fixtures.masks import right_padded_mask
 from rlhf_core.ppo.kl import kl_k1, kl_k3
 from rlhf_core.ppo.masked import (
     last_token_index,

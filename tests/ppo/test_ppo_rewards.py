@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from fixtures.gloo_ranks import on_two_gloo_ranks
 from fixtures.masks import right_padded_mask
-
 from rlhf_core.distributed.collectives import gather_rows
 from rlhf_core.ppo.normalizers import RunningMeanStd
 from rlhf_core.ppo.rewards import (

@@ -91,9 +91,7 @@ def test_sampling_config_is_temperature_only_by_default(tokenizer: PreTrainedTok
 def test_reward_is_read_at_the_end_of_turn_token(tokenizer: PreTrainedTokenizerBase, batch: dict) -> None:
     """Left-padded prompts, early stops padded with the end-of-turn id itself, an unfinished reply: each
     score equals the reward model's head on the unpadded sequence's last real token."""
-    reward_model = RewardModel.from_causal_lm(
-        build_tiny_model(tokenizer, seed=3), end_of_turn_id(tokenizer)
-    ).eval()
+    reward_model = RewardModel.from_causal_lm(build_tiny_model(tokenizer, seed=3), end_of_turn_id(tokenizer)).eval()
     scores = RewardModelScorer(reward_model, micro_batch_size=2)(
         batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]
     )
@@ -105,9 +103,7 @@ def test_reward_is_read_at_the_end_of_turn_token(tokenizer: PreTrainedTokenizerB
             assert scores[row].item() == pytest.approx(expected, abs=1e-5)
 
 
-def test_response_logprobs_and_entropy_match_full_logits(
-    tokenizer: PreTrainedTokenizerBase, batch: dict
-) -> None:
+def test_response_logprobs_and_entropy_match_full_logits(tokenizer: PreTrainedTokenizerBase, batch: dict) -> None:
     model = build_tiny_model(tokenizer, seed=4)
     temperature = 0.7
     with torch.no_grad():
@@ -128,9 +124,7 @@ def test_response_logprobs_and_entropy_match_full_logits(
                 assert logprobs[row, t].item() == pytest.approx(log_softmax[position, token].item(), abs=1e-4)
                 expected_entropy = -(log_softmax[position].exp() * log_softmax[position]).sum().item()
                 assert entropy[row, t].item() == pytest.approx(expected_entropy, abs=1e-4)
-            assert (
-                logprobs[row, len(reply) :].abs().sum() == 0 and entropy[row, len(reply) :].abs().sum() == 0
-            )
+            assert logprobs[row, len(reply) :].abs().sum() == 0 and entropy[row, len(reply) :].abs().sum() == 0
 
 
 def test_response_values_are_read_before_each_token(tokenizer: PreTrainedTokenizerBase, batch: dict) -> None:
@@ -146,20 +140,14 @@ def test_response_values_are_read_before_each_token(tokenizer: PreTrainedTokeniz
                 assert values[row, t].item() == pytest.approx(full[len(prompt) + t - 1].item(), abs=1e-5)
 
 
-def test_generation_is_batched_seeded_and_right_padded(
-    tokenizer: PreTrainedTokenizerBase, batch: dict
-) -> None:
+def test_generation_is_batched_seeded_and_right_padded(tokenizer: PreTrainedTokenizerBase, batch: dict) -> None:
     model = build_tiny_model(tokenizer, seed=6)
     settings = GenerationConfig(max_new_tokens=6)
     stop_ids, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
     torch.manual_seed(0)
-    ids, mask, finished = generate_responses(
-        model, batch["prompt_ids"], batch["prompt_mask"], settings, stop_ids, pad
-    )
+    ids, mask, finished = generate_responses(model, batch["prompt_ids"], batch["prompt_mask"], settings, stop_ids, pad)
     torch.manual_seed(0)
-    again, _, _ = generate_responses(
-        model, batch["prompt_ids"], batch["prompt_mask"], settings, stop_ids, pad
-    )
+    again, _, _ = generate_responses(model, batch["prompt_ids"], batch["prompt_mask"], settings, stop_ids, pad)
     assert ids.shape[0] == 3 and ids.shape[1] <= 6 and torch.equal(ids, again)
     expected_mask, expected_finished = mask_after_stop(ids, stop_ids)
     assert torch.equal(mask, expected_mask) and torch.equal(finished, expected_finished)
@@ -177,14 +165,10 @@ def test_padding_shared_by_a_micro_batch_is_dropped_without_changing_outputs(
     ids, mask, width, length = joined.input_ids, joined.attention_mask, joined.prompt_width, joined.response_length
     assert joined.columns == slice(joined.first, batch["prompt_ids"].shape[1] + length)
     assert width < batch["prompt_ids"].shape[1] and length < batch["response_ids"].shape[1]
-    assert (
-        ids.shape == mask.shape == (2, width + length) and bool(mask[:, 0].any()) and bool(mask[:, -1].any())
-    )
+    assert ids.shape == mask.shape == (2, width + length) and bool(mask[:, 0].any()) and bool(mask[:, -1].any())
     model = build_tiny_model(tokenizer, seed=4)
     critic = Critic.from_causal_lm(build_tiny_model(tokenizer, seed=5), seed=1).eval()
-    reward_model = RewardModel.from_causal_lm(
-        build_tiny_model(tokenizer, seed=3), end_of_turn_id(tokenizer)
-    ).eval()
+    reward_model = RewardModel.from_causal_lm(build_tiny_model(tokenizer, seed=3), end_of_turn_id(tokenizer)).eval()
     with torch.no_grad():
         for compute in (
             lambda *t: response_logprobs(model, *t, 1.0, with_entropy=True)[1],

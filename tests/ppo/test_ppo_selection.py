@@ -15,7 +15,9 @@ PROMPTS = 64
 STEPS = (0, 8, 16, 24, 32)
 
 
-def curve(rng: random.Random, true_means: dict[int, float], kls: dict[int, float] | None = None) -> list[ValidationRecord]:
+def curve(
+    rng: random.Random, true_means: dict[int, float], kls: dict[int, float] | None = None
+) -> list[ValidationRecord]:
     """Validations of one run: per-prompt rewards = prompt difficulty (shared, paired) + the step's true
     mean + sampling noise; the prompt effect is three times the noise, as on held-out RM scores."""
     difficulty = [rng.gauss(0.0, 0.9) for _ in range(PROMPTS)]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import trainer_data
 from transformers import PreTrainedTokenizerBase
 
+from fixtures.tiny_ppo import trainer_data
 from rlhf_core.config import PPOConfig, TinyModelConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
-from safetensors.torch import load_file
-
 from rlhf_core.data.prepare import load_split
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_causal_lm
@@ -43,9 +43,7 @@ def test_stage_writes_every_output_and_a_rerun_changes_nothing(inputs: StageInpu
     rows = history(out)
     assert [row["step"] for row in rows] == list(range(total + 1))  # step 0 validates the SFT policy
     assert rows[-1]["progress"] == 1.0 and "val/reward" in rows[-1]
-    assert {"reward/score_mean", "kl/token_k3", "loss/value", "time/generate_s", "time/train_s"} <= set(
-        rows[-1]
-    )
+    assert {"reward/score_mean", "kl/token_k3", "loss/value", "time/generate_s", "time/train_s"} <= set(rows[-1])
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {row["step"] for row in samples} == set(range(2, total + 1, config.ppo.sample_table_every))
     assert {"prompt", "response", "score", "finished"} <= set(samples[0])
@@ -94,7 +92,9 @@ def test_validation_prompts_are_held_out_of_training_and_of_the_evaluation(input
     assert len(validated) == len(selection["validations"][0]["rewards"]) >= 2
     trained = {prompt.prompt_id for prompt in load_split(inputs.data_dir, "ppo_prompts")}
     run_evaluate(config, inputs.data_dir, tmp_path / "ppo", inputs.sft_dir, tmp_path / "eval", rm_dir=inputs.rm_dir)
-    evaluated = {json.loads(line)["prompt_id"] for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()}
+    evaluated = {
+        json.loads(line)["prompt_id"] for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()
+    }
     assert evaluated and trained
     assert not validated & evaluated and not validated & trained and not trained & evaluated
     report = (tmp_path / "eval" / "report.md").read_text()  # the PPO run's evidence beside the verdicts
@@ -201,9 +201,7 @@ def test_rerun_after_sigkill_resumes_exactly(inputs: StageInputs, tmp_path: Path
     kill_after_step(victim, interrupted, step=rng.randint(3, 5), delay=rng.uniform(0.0, 0.5))
     assert victim.returncode == -signal.SIGKILL
     assert not (interrupted / "metrics.json").exists()
-    saved_steps = [
-        int(path.name.removeprefix("step-")) for path in complete_checkpoints(interrupted / "checkpoints")
-    ]
+    saved_steps = [int(path.name.removeprefix("step-")) for path in complete_checkpoints(interrupted / "checkpoints")]
     assert saved_steps and 2 <= max(saved_steps) < 7  # the rerun resumes from the middle of the run
     finish(reference)
     assert "best policy at step" in finish(rlhf_ppo(inputs, interrupted))
@@ -218,6 +216,4 @@ def test_rerun_after_sigkill_resumes_exactly(inputs: StageInputs, tmp_path: Path
         a, b = load_file(uninterrupted / relative), load_file(interrupted / relative)
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), relative
     samples = [json.loads(line)["step"] for line in (interrupted / "samples.jsonl").read_text().splitlines()]
-    assert samples == [
-        json.loads(line)["step"] for line in (uninterrupted / "samples.jsonl").read_text().splitlines()
-    ]
+    assert samples == [json.loads(line)["step"] for line in (uninterrupted / "samples.jsonl").read_text().splitlines()]

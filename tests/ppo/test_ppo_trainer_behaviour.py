@@ -80,9 +80,7 @@ def sft_state(tokenizer: PreTrainedTokenizerBase, sft_corpus: list) -> dict[str,
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     rng = random.Random(1)
     for _ in range(30):
-        examples = [
-            encode_conversation(tokenizer, prompt, reply) for prompt, reply in rng.sample(sft_corpus, 16)
-        ]
+        examples = [encode_conversation(tokenizer, prompt, reply) for prompt, reply in rng.sample(sft_corpus, 16)]
         batch = collate_ptx(examples, tokenizer.pad_token_id, torch.device("cpu"))
         loss = ptx_nll_sum(model, batch) / batch.loss_mask[:, 1:].sum()
         optimizer.zero_grad()
@@ -128,9 +126,7 @@ def run(
             **settings,
         }
     )
-    reward = TokenRuleScorer(
-        [tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in REWARDED], count
-    )
+    reward = TokenRuleScorer([tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in REWARDED], count)
     models = PPOModels(
         policy=sft_model(tokenizer, state),
         reference=sft_model(tokenizer, state),
@@ -166,9 +162,7 @@ def test_ppo_max_raises_the_reward_beyond_seed_noise_within_the_kl_bound(
         final.append(validations[-1]["val/reward"])
     gain = sum(final) / len(final) - sum(initial) / len(initial)
     spread = max(max(final) - min(final), max(initial) - min(initial))
-    assert gain > spread, (
-        f"reward {initial} -> {final}: gain {gain:.3f} is within the seed spread {spread:.3f}"
-    )
+    assert gain > spread, f"reward {initial} -> {final}: gain {gain:.3f} is within the seed spread {spread:.3f}"
 
 
 def policy_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -179,9 +173,7 @@ def policy_weights(path: Path) -> dict[str, torch.Tensor]:
     """
     tensors = load_file(path)
     if any(name.startswith("policy.") for name in tensors):
-        tensors = {
-            name.removeprefix("policy."): t for name, t in tensors.items() if name.startswith("policy.")
-        }
+        tensors = {name.removeprefix("policy."): t for name, t in tensors.items() if name.startswith("policy.")}
     if "model.embed_tokens.weight" not in tensors:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"]
     tensors.pop("lm_head.weight", None)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.tiny_ppo import trainer_data
 from transformers import PreTrainedTokenizerBase
 
+from fixtures.tiny_ppo import trainer_data
 from rlhf_core.config import PPOConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
@@ -26,9 +26,7 @@ from rlhf_core.ppo.trainer import PPOTrainer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_trainer(
-    tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32, **settings: Any
-) -> PPOTrainer:
+def make_trainer(tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32, **settings: Any) -> PPOTrainer:
     """A trainer on tiny models (policy = reference, critic from the reward model), ppo_max defaults."""
     config = PPOConfig(
         **{
@@ -130,9 +128,7 @@ def test_first_update_is_on_policy(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e-3, None])
-def test_gradients_are_clipped_per_model(
-    tokenizer: PreTrainedTokenizerBase, max_grad_norm: float | None
-) -> None:
+def test_gradients_are_clipped_per_model(tokenizer: PreTrainedTokenizerBase, max_grad_norm: float | None) -> None:
     trainer = make_trainer(tokenizer, max_grad_norm=max_grad_norm)
     applied: dict[str, float] = {}
 
@@ -144,9 +140,7 @@ def test_gradients_are_clipped_per_model(
     assert isinstance(trainer.learner, LocalLearner)  # one process: one AdamW, whose step is watched
     trainer.learner.optimizer.register_step_pre_hook(record_applied_norms)
     metrics = trainer.learn(rollout(trainer), step=1)
-    assert (
-        metrics["policy/grad_norm"] > 1e-2 and metrics["critic/grad_norm"] > 1e-2
-    )  # raw norms, before clipping
+    assert metrics["policy/grad_norm"] > 1e-2 and metrics["critic/grad_norm"] > 1e-2  # raw norms, before clipping
     if max_grad_norm is None:
         assert applied["policy"] == pytest.approx(metrics["policy/grad_norm"], rel=1e-5)
         assert applied["critic"] == pytest.approx(metrics["critic/grad_norm"], rel=1e-5)
@@ -168,11 +162,7 @@ def test_critic_pretraining_leaves_the_policy_alone(tokenizer: PreTrainedTokeniz
     experience, monitors = trainer.rollout(step=2)
     trainer.learn(experience, step=2)
     assert monitors["policy/updating"] == 1.0
-    assert any(
-        not torch.equal(after[n], p)
-        for n, p in trainer.trainable.named_parameters()
-        if n.startswith("policy.")
-    )
+    assert any(not torch.equal(after[n], p) for n, p in trainer.trainable.named_parameters() if n.startswith("policy."))
 
 
 def test_trainable_top_layers_freezes_the_rest(tokenizer: PreTrainedTokenizerBase) -> None:

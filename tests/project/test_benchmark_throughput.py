@@ -18,8 +18,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from fixtures.paths import ROOT, TINY
 
+from fixtures.paths import ROOT, TINY
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 
@@ -48,9 +48,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--seed", "3", "--peak-tflops", str(PEAK_TFLOPS), "--json", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    completed = subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "samples/s" in completed.stdout and "FLOPs: model FLOPs per iteration" in completed.stdout
     return json.loads(out.read_text())
@@ -149,9 +147,7 @@ def test_benchmark_prompts_are_encoded_exactly_as_the_trainer_encodes_them() -> 
 
 def test_hh_transcripts_become_prompt_and_reply() -> None:
     workload = load_benchmark_module("workload")
-    dialogue = workload.hh_dialogue(
-        "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Help me?\n\nAssistant: Sure."
-    )
+    dialogue = workload.hh_dialogue("\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Help me?\n\nAssistant: Sure.")
     assert dialogue.messages == [
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hello!"},

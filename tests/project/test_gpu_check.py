@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.paths import ROOT, SHARED_PAIRS
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+
 from fixtures.paths import ROOT
 
 LAYERS = ("rlhf_core", "tasks", "flows", "rlhf_cli")  # each may import only those before it
@@ -202,8 +203,7 @@ def test_tasks_packages_form_no_cycle() -> None:
 def test_rlhf_core_modules_form_no_cycle() -> None:
     known = modules("rlhf_core")
     graph = {
-        module: {name for name in imported(path) if name in known and name != module}
-        for module, path in known.items()
+        module: {name for name in imported(path) if name in known and name != module} for module, path in known.items()
     }
     assert find_cycle(graph) is None, f"modules import each other in a circle: {find_cycle(graph)}"
 
@@ -279,7 +279,9 @@ def test_the_checker_reports_an_upward_import_between_layers(tmp_path: Path) -> 
 def test_the_checker_reports_an_import_up_the_levels_of_tasks(tmp_path: Path) -> None:
     allowed = {"tasks.stages": {"tasks.execution", "rlhf_core"}, "tasks.execution": {"rlhf_core"}}
     write_module(tmp_path, "tasks/__init__.py")
-    write_module(tmp_path, "tasks/stages/stage_tasks.py", "from tasks.execution import caching\nimport rlhf_core.config\n")
+    write_module(
+        tmp_path, "tasks/stages/stage_tasks.py", "from tasks.execution import caching\nimport rlhf_core.config\n"
+    )
     write_module(tmp_path, "tasks/execution/caching.py", "def f():\n    from tasks.stages.stage_tasks import g\n")
     assert forbidden_imports(allowed, tmp_path) == [
         "tasks/execution/caching.py imports tasks.stages.stage_tasks: tasks.execution may not import tasks.stages",

@@ -13,8 +13,6 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from fixtures.paths import ROOT
-
 
 from fixtures.infra_files import (
     COMPOSE_FILE,
@@ -28,7 +26,7 @@ from fixtures.infra_files import (
     interpolated,
     service_host,
 )
-
+from fixtures.paths import ROOT
 
 # --- env file and git ------------------------------------------------------------------------------------
 
@@ -72,10 +70,15 @@ def test_the_stack_refuses_to_start_with_the_examples_placeholder_credentials(
     refused = check_credentials(env_example, raw_compose)
     assert refused.returncode == 1
     assert set(refused.stderr.splitlines()[0].removesuffix(".").split(":")[1].split()) == placeholders
-    fresh = {key: f"fresh{index:032x}" if key in placeholders else value for index, (key, value) in enumerate(env_example.items())}
+    fresh = {
+        key: f"fresh{index:032x}" if key in placeholders else value
+        for index, (key, value) in enumerate(env_example.items())
+    }
     assert check_credentials(fresh, raw_compose).returncode == 0
     for name in ("prefect-db", "mlflow-db", "minio"):  # every other service waits for these
-        assert compose_services[name]["depends_on"]["check-credentials"] == {"condition": "service_completed_successfully"}
+        assert compose_services[name]["depends_on"]["check-credentials"] == {
+            "condition": "service_completed_successfully"
+        }
 
 
 def test_every_substituted_variable_is_in_the_env_example_and_none_is_unused(env_example: dict[str, str]) -> None:

@@ -21,12 +21,10 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from fixtures.paths import ROOT
 from prefect.client.schemas.actions import WorkPoolCreate as ClientWorkPoolCreate
 from prefect.server.schemas.actions import WorkPoolCreate
 from prefect.utilities.templating import apply_values
 from prefect.workers.base import BaseJobConfiguration
-
 
 from fixtures.infra_files import (
     CREATED_BY_THE_READER,
@@ -44,7 +42,7 @@ from fixtures.infra_files import (
     readme_blocks,
     readme_shell_commands,
 )
-
+from fixtures.paths import ROOT
 
 # --- Dockerfiles -----------------------------------------------------------------------------------------
 

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.commands import RLHF_COMMAND
-from fixtures.pairs import write_topic_pairs
-from fixtures.paths import PARAMS, ROOT, TINY
 from mlflow import MlflowClient
 from mlflow.utils.logging_utils import eprint
 from prefect.logging.configuration import ensure_logging_setup
 
+from fixtures.commands import RLHF_COMMAND
+from fixtures.pairs import write_topic_pairs
+from fixtures.paths import PARAMS, ROOT, TINY
 from flows.failed_stage import failed_stage, mark_failed_stage
 from rlhf_cli.library_logs import (
     PREFECT_DIR,
@@ -163,19 +163,37 @@ def test_prefect_s_failure_reports_go_to_the_file_and_the_error_carries_its_path
     path = run_log_path(tmp_path / "runs")
     root = logging.getLogger()  # handled there: Prefect's API handler on the run loggers wants a flow run
     with pytest.raises(ValueError) as raised, library_logs_to(path):
-        root.handle(run_record("prefect.flow_runs", logging.INFO, "stage 1/7: prepare-data", str(ROOT / "flows" / "stage_clock.py")))
+        root.handle(
+            run_record(
+                "prefect.flow_runs", logging.INFO, "stage 1/7: prepare-data", str(ROOT / "flows" / "stage_clock.py")
+            )
+        )
         try:
             raise ValueError("no valid preference pairs remain")
         except ValueError as error:
-            root.handle(prefect_engine_record("prefect.flow_runs", logging.ERROR, "Encountered exception during execution", sys.exc_info()))
-            root.handle(prefect_engine_record("prefect.task_runs", logging.ERROR, "Finished in state Failed('Task run encountered an exception')"))
-            root.handle(prefect_engine_record("prefect.flow_runs", logging.INFO, "Finished in state Failed('Flow run encountered an exception')"))
+            root.handle(
+                prefect_engine_record(
+                    "prefect.flow_runs", logging.ERROR, "Encountered exception during execution", sys.exc_info()
+                )
+            )
+            root.handle(
+                prefect_engine_record(
+                    "prefect.task_runs", logging.ERROR, "Finished in state Failed('Task run encountered an exception')"
+                )
+            )
+            root.handle(
+                prefect_engine_record(
+                    "prefect.flow_runs", logging.INFO, "Finished in state Failed('Flow run encountered an exception')"
+                )
+            )
             root.handle(prefect_engine_record("prefect.flow_runs", logging.INFO, "Finished in state Completed()"))
             raise error
 
     assert terminal.messages == ["stage 1/7: prepare-data", "Finished in state Completed()"]
     logged = path.read_text(encoding="utf-8")
-    assert "ERROR prefect.flow_runs: Encountered exception during execution\nTraceback (most recent call last):" in logged
+    assert (
+        "ERROR prefect.flow_runs: Encountered exception during execution\nTraceback (most recent call last):" in logged
+    )
     assert "ValueError: no valid preference pairs remain" in logged
     assert "Finished in state Failed('Task run" in logged and "Finished in state Failed('Flow run" in logged
     assert traceback_log(raised.value) == path
@@ -219,7 +237,9 @@ def test_a_stage_failing_inside_rlhf_run_shows_the_stage_lines_then_one_error_li
     command = [*RLHF_COMMAND, "run", "--data", str(data), "--params", str(PARAMS), "--config", str(TINY)]
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("w") as stderr:
-        result = subprocess.run(command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=RUN_TIMEOUT_S)
+        result = subprocess.run(
+            command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=RUN_TIMEOUT_S
+        )
 
     terminal = (result.stdout + stderr_file.read_text()).splitlines()
     assert result.returncode == 1, terminal[-40:]
@@ -227,7 +247,11 @@ def test_a_stage_failing_inside_rlhf_run_shows_the_stage_lines_then_one_error_li
     assert not [line for line in terminal if re.search(r"\bERROR\b", line)]
     assert any(line.endswith("stage 1/7: prepare-data") for line in terminal)
     (error,) = [line for line in terminal if "data validation failed" in line]  # said once
-    found = re.fullmatch(r"rlhf: error: stage prepare-data failed: data validation failed for pairs\.jsonl: .* \(traceback in (runs/logs/rlhf-run-\S+\.log)\)", error)
+    found = re.fullmatch(
+        r"rlhf: error: stage prepare-data failed: data validation failed for pairs\.jsonl: .* \(traceback in "
+        r"(runs/logs/rlhf-run-\S+\.log)\)",
+        error,
+    )
     assert found, error
     logged = (project / found.group(1)).read_text(encoding="utf-8")
     assert "Traceback (most recent call last)" in logged and "DataValidationError: data validation failed" in logged

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="checks
 def test_without_an_accelerator_deepspeed_is_told_cpu_and_says_nothing_on_import() -> None:
     assert deepspeed_cpu_setting() == {"DS_ACCELERATOR": "cpu"}
     env = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
-    probe = "import deepspeed; from deepspeed.accelerator import get_accelerator; print(get_accelerator().device_name())"
+    probe = (
+        "import deepspeed; from deepspeed.accelerator import get_accelerator; print(get_accelerator().device_name())"
+    )
 
     def run(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-c", probe]

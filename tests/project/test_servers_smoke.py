@@ -9,11 +9,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from fixtures.servers import MLFLOW_ARTIFACTS_BUCKET, S3Server
 from mlflow import MlflowClient
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 
+from fixtures.servers import MLFLOW_ARTIFACTS_BUCKET, S3Server
 from tasks.tracking.metrics_logger import MlflowLogger, get_or_create_experiment, local_artifact_location
 
 pytestmark = pytest.mark.slow

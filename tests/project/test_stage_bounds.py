@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
+
 from fixtures.benchmarks import import_benchmark
 
 TINY_CONFIG = {

@@ -126,6 +126,24 @@ def hang_at_checkpoint(step_to_hang: int) -> None:
     checkpoint._write_marker = slow_write_marker
 
 
+# The loop's settings: 20 steps with a checkpoint every 4, so a kill lands between checkpoints.
+LOOP = LoopConfig(
+    epochs=4,
+    max_steps=20,
+    lr=3e-2,
+    weight_decay=0.1,
+    schedule="warmup_cosine",
+    warmup_ratio=0.2,
+    max_grad_norm=1.0,
+    checkpoint_every=4,
+    keep_checkpoints=2,
+    eval_every=5,
+    eval_batches=2,
+    seed=7,
+    progress_bar=False,
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, required=True)
@@ -140,9 +158,7 @@ def main() -> None:
     val_set = make_sequences(8, seed=2)
     running = RunningLoss()
 
-    def loss_fn(
-        model: nn.Module, batch: dict[str, Tensor], totals: dict[str, int]
-    ) -> tuple[Tensor, dict[str, float]]:
+    def loss_fn(model: nn.Module, batch: dict[str, Tensor], totals: dict[str, int]) -> tuple[Tensor, dict[str, float]]:
         loss = summed_nll(model, batch) / totals["tokens"]
         running.update(loss)
         return loss, {"nll": loss.item()}
@@ -153,11 +169,6 @@ def main() -> None:
         tokens = sum(token_count(collate(b, noisy=False))["tokens"] for b in batches)
         return {"val/loss": nll / tokens}
 
-    config = LoopConfig(
-        epochs=4, max_steps=20, lr=3e-2, weight_decay=0.1, schedule="warmup_cosine", warmup_ratio=0.2,
-        max_grad_norm=1.0, checkpoint_every=4, keep_checkpoints=2, eval_every=5, eval_batches=2, seed=7,
-        progress_bar=False,
-    )
     history = JsonlLogger(args.workdir / "history.jsonl")
     logger = MultiLogger([history, StepAnnouncer(args.workdir / "executed.txt")])
     result = train(
@@ -166,7 +177,7 @@ def main() -> None:
         lambda indices: collate([train_set[i] for i in indices], noisy=True),
         token_count,
         loss_fn,
-        config,
+        LOOP,
         evaluate=evaluate,
         select_best=("val/loss", "min"),
         checkpoint_dir=args.workdir / "checkpoints",

@@ -20,12 +20,12 @@ import psycopg
 import pytest
 import requests
 from botocore.config import Config
-from fixtures.pairs import write_topic_pairs
-from fixtures.processes import group_processes
-from fixtures.team.team_stack import TeamStack, run_launcher
 from mlflow import MlflowClient
 from prefect.client.schemas.objects import FlowRun
 
+from fixtures.pairs import write_topic_pairs
+from fixtures.processes import group_processes
+from fixtures.team.team_stack import TeamStack, run_launcher
 from flows.deployments import DEPLOYMENTS
 from rlhf_core.layout import METRICS_FILE
 from rlhf_core.training.checkpoint import complete_checkpoints
@@ -74,9 +74,7 @@ def test_every_service_of_compose_runs_and_the_deployments_are_registered(
 
 
 def test_without_credentials_both_apis_refuse(team_stack: TeamStack) -> None:
-    prefect = requests.post(
-        f"{team_stack.prefect_api_url}/deployments/filter", json={}, timeout=30
-    )
+    prefect = requests.post(f"{team_stack.prefect_api_url}/deployments/filter", json={}, timeout=30)
     mlflow = requests.get(
         f"{team_stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1",
         timeout=30,
@@ -231,7 +229,9 @@ def test_a_pipeline_run_through_database_restarts_completes_on_the_cpu_worker_wi
     services, secret = team_stack.services(), team_stack.credentials
     database = f"postgresql://mlflow:{secret['MLFLOW_DB_PASSWORD']}@127.0.0.1:{services['mlflow-db']['port']}/mlflow"
     with psycopg.connect(database) as connection:
-        rows = connection.execute("SELECT status FROM runs WHERE run_uuid = %s", (pipeline_run.parent_run_id,)).fetchall()
+        rows = connection.execute(
+            "SELECT status FROM runs WHERE run_uuid = %s", (pipeline_run.parent_run_id,)
+        ).fetchall()
     assert rows == [("FINISHED",)]
     s3 = boto3.client(
         "s3", endpoint_url=team_stack.s3_endpoint, aws_access_key_id=team_stack.s3_key[0],

@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Run
+from playwright.sync_api import Page, expect
+
 from fixtures.team.browser import Screenshots
 from fixtures.team.mlflow_ui import mlflow_page, pipeline_parent_run
 from fixtures.team.team_stack import TeamStack
 from fixtures.team.ui_pipeline import UIPipelineRun
-from mlflow import MlflowClient
-from mlflow.entities import Run
-from playwright.sync_api import Page, expect
 
 # The browser first: without one the tests skip before the team stack starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from playwright.sync_api import Page, expect
+
 from fixtures.team.browser import Screenshots
 from fixtures.team.prefect_ui import (
     flow_run_count,
@@ -22,7 +24,6 @@ from fixtures.team.prefect_ui import (
 )
 from fixtures.team.team_stack import TeamStack
 from fixtures.team.ui_pipeline import UIPipelineRun
-from playwright.sync_api import Page, expect
 
 # The browser first: without one the tests skip before the team stack starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]

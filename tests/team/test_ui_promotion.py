@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from mlflow import MlflowClient
+from playwright.sync_api import Page, expect
+
 from fixtures.team.browser import Screenshots
 from fixtures.team.prefect_ui import (
     add_list_items,
@@ -23,8 +26,6 @@ from fixtures.team.prefect_ui import (
 )
 from fixtures.team.team_stack import TeamStack
 from fixtures.team.ui_pipeline import STEP_OVERRIDES, TINY_OVERLAY, UIPipelineRun
-from mlflow import MlflowClient
-from playwright.sync_api import Page, expect
 
 # The browser first: without one the tests skip before the team stack starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]

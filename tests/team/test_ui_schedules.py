@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from playwright.sync_api import Locator, Page, expect
+
 from fixtures.team.browser import Screenshots
 from fixtures.team.prefect_ui import log_in, open_deployment, prefect_client
 from fixtures.team.team_stack import TeamStack
-from playwright.sync_api import Locator, Page, expect
 
 # The browser first: without one the tests skip before the team stack starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]

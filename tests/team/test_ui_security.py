@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from playwright.sync_api import Error, Page, expect
+
 from fixtures.team.browser import Screenshots
 from fixtures.team.team_stack import TeamStack
-from playwright.sync_api import Error, Page, expect
 
 # The browser first: without one the tests skip before the team stack starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]

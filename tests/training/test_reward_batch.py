@@ -70,9 +70,7 @@ def test_the_prompts_earlier_end_of_turn_tokens_are_not_the_reply_end(
     batch = collate_pairs(encoded.pairs, [0], tokenizer.pad_token_id)
     ids = batch.chosen.input_ids[0]
     assert int((ids[: int(batch.chosen.reply_start[0])] == eot).sum()) >= 3  # system, user, assistant turns
-    ends = reply_end_positions(
-        batch.chosen.input_ids, batch.chosen.attention_mask, eot, batch.chosen.reply_start
-    )
+    ends = reply_end_positions(batch.chosen.input_ids, batch.chosen.attention_mask, eot, batch.chosen.reply_start)
     assert int(ends[0]) == len(encoded.pairs[0].chosen.input_ids) - 1
 
 

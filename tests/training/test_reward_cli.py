@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, TINY
-
 from rlhf_core.config import load_config
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.score_pairs import score_pair_file
@@ -83,9 +83,7 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
     assert "left out 1 unreadable rows" in line
     assert "balanced accuracy" in line and "length-matched" in line and "length rule" in line
     written = json.loads((workspace / "scores" / "metrics.json").read_text())
-    assert (
-        written["pairs"] == 60 and written["accuracy_low"] <= written["accuracy"] <= written["accuracy_high"]
-    )
+    assert written["pairs"] == 60 and written["accuracy_low"] <= written["accuracy"] <= written["accuracy_high"]
     assert {"length_rule_accuracy", "length_matched_pairs", "auc_gain_over_length"} <= set(written)
     assert not any(name.startswith("val/") for name in written)
     assert (workspace / "scores" / "plots" / "reward_margin_hist.png").is_file()
@@ -100,6 +98,4 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
 
 def test_score_pairs_names_a_directory_that_holds_no_reward_model(workspace: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a saved reward model nor a train-rm output"):
-        score_pair_file(
-            load_config(PARAMS, [TINY]), workspace / "sft", str(workspace / "pairs.jsonl")
-        )
+        score_pair_file(load_config(PARAMS, [TINY]), workspace / "sft", str(workspace / "pairs.jsonl"))

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures.tiny_ppo import tiny_config
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoTokenizer
 
+from fixtures.tiny_ppo import tiny_config
+from rlhf_core.data.prepare import load_split
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.reward.length_debias import (
     BALANCE_BINS,
@@ -25,7 +26,6 @@ from rlhf_core.reward.length_debias import (
     odin_penalty,
     pearson,
 )
-from rlhf_core.data.prepare import load_split
 from rlhf_core.reward.scoring import PairOutputs, SideOutputs, score_pair_batches
 from rlhf_core.stages.prepare_data import run_prepare_data
 from rlhf_core.stages.reward import encode_reward_pairs, run_train_rm, scored_reply_tokens, validation_batches
@@ -70,7 +70,9 @@ def test_balanced_indices_equalise_the_labels_in_every_bin_of_length_difference(
     rng = np.random.default_rng(1)
     rejected = rng.integers(5, 80, size=400)
     # Chosen shorter in about 70% of the pairs, some pairs of equal length.
-    chosen = np.where(rng.random(400) < 0.7, rejected - rng.integers(0, 30, size=400), rejected + rng.integers(1, 30, size=400))
+    chosen = np.where(
+        rng.random(400) < 0.7, rejected - rng.integers(0, 30, size=400), rejected + rng.integers(1, 30, size=400)
+    )
     keep = length_balanced_indices(chosen.tolist(), rejected.tolist(), seed=3)
     assert keep == sorted(set(keep))
     difference = chosen - rejected
@@ -227,4 +229,6 @@ def test_length_residual_saves_a_reward_uncorrelated_with_length_on_the_training
     assert abs(np.corrcoef(head, log_length)[0, 1]) > 0.1  # the head alone did
 
     plain = run_train_rm(tiny_config(*settings), length_confounded_data, None, tmp_path / "plain")
-    assert result.metrics["val/auc_gain_over_length"] == pytest.approx(plain.metrics["val/auc_gain_over_length"], abs=1e-3)
+    assert result.metrics["val/auc_gain_over_length"] == pytest.approx(
+        plain.metrics["val/auc_gain_over_length"], abs=1e-3
+    )

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-from fixtures.statistics_by_loop import ranks_by_loop, spearman_by_loop
 
+from fixtures.statistics_by_loop import ranks_by_loop, spearman_by_loop
 from rlhf_core.reward.length_metrics import (
     RIDGE,
     fit_logistic,
@@ -141,7 +141,9 @@ def test_every_figure_matches_a_plain_loop() -> None:
     assert figures["length_matched_pairs"] == len(matched)
     assert figures["length_matched_accuracy"] == pytest.approx(sum(matched) / len(matched))
     low, high = wilson_interval(sum(matched), len(matched))
-    assert (figures["length_matched_accuracy_low"], figures["length_matched_accuracy_high"]) == pytest.approx((low, high))
+    assert (figures["length_matched_accuracy_low"], figures["length_matched_accuracy_high"]) == pytest.approx(
+        (low, high)
+    )
 
     margins, differences = chosen - rejected, (chosen_tokens - rejected_tokens).astype(float)
     assert figures["auc_gain_over_length"] == pytest.approx(
@@ -219,7 +221,12 @@ def test_no_length_matched_pairs_and_an_empty_group_are_left_out() -> None:
     skill = length_skill(np.array([1.0, -1.0, 2.0]), np.zeros(3), chosen_tokens, rejected_tokens, resamples=10)
     figures = skill.figures()
     assert figures["length_matched_pairs"] == 0 and figures["pairs_chosen_longer"] == 0
-    for name in ("length_matched_accuracy", "length_matched_accuracy_low", "accuracy_chosen_longer", "balanced_accuracy"):
+    for name in (
+        "length_matched_accuracy",
+        "length_matched_accuracy_low",
+        "accuracy_chosen_longer",
+        "balanced_accuracy",
+    ):
         assert name not in figures
     assert figures["accuracy_chosen_shorter"] == pytest.approx(2 / 3)
     assert "n/a" in skill.describe()

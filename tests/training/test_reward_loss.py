@@ -19,9 +19,7 @@ def test_ranking_loss_against_hand_computed_values() -> None:
     # -log sigmoid(-2) = log(1 + e^2) = 2.1269280
     chosen = torch.tensor([1.5, 0.3, -1.0])
     rejected = torch.tensor([0.5, 0.3, 1.0])
-    assert ranking_loss_sum(chosen, rejected).item() == pytest.approx(
-        0.3132617 + 0.6931472 + 2.1269280, abs=1e-6
-    )
+    assert ranking_loss_sum(chosen, rejected).item() == pytest.approx(0.3132617 + 0.6931472 + 2.1269280, abs=1e-6)
 
 
 def test_ranking_loss_is_finite_for_huge_margins_and_has_the_sigmoid_gradient() -> None:
@@ -43,16 +41,16 @@ def test_ranking_loss_rejects_mismatched_shapes() -> None:
 def test_reward_model_loss_adds_beta_times_the_token_mean_nll() -> None:
     ranking_sum, nll_sum = torch.tensor(3.0), torch.tensor(12.0)
     # 3 / 4 pairs + 0.5 * 12 / 6 tokens = 0.75 + 1.0
-    assert reward_model_loss(
-        ranking_sum, nll_sum, pairs_total=4, tokens_total=6, beta_rm=0.5
-    ).item() == pytest.approx(1.75)
-    assert reward_model_loss(
-        ranking_sum, nll_sum, pairs_total=4, tokens_total=6, beta_rm=1.0
-    ).item() == pytest.approx(2.75)
+    assert reward_model_loss(ranking_sum, nll_sum, pairs_total=4, tokens_total=6, beta_rm=0.5).item() == pytest.approx(
+        1.75
+    )
+    assert reward_model_loss(ranking_sum, nll_sum, pairs_total=4, tokens_total=6, beta_rm=1.0).item() == pytest.approx(
+        2.75
+    )
     # beta_rm = 0 is the plain ranking loss and needs no LM term at all
-    assert reward_model_loss(
-        ranking_sum, None, pairs_total=4, tokens_total=0, beta_rm=0.0
-    ).item() == pytest.approx(0.75)
+    assert reward_model_loss(ranking_sum, None, pairs_total=4, tokens_total=0, beta_rm=0.0).item() == pytest.approx(
+        0.75
+    )
 
 
 def test_reward_model_loss_needs_the_lm_term_when_beta_is_positive() -> None:

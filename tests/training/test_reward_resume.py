@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import write_prepared_data
-from safetensors.torch import load_file
-
 from rlhf_core.config import Config, load_config
 from rlhf_core.stages.reward import run_train_rm
 from rlhf_core.training.checkpoint import (

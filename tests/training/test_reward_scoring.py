@@ -3,7 +3,6 @@ eq. (2) update does not depend on how a step is split into micro-batches."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -71,9 +70,7 @@ def reward_model(tokenizer: PreTrainedTokenizerBase, layers: int = 3, seed: int 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_scores_equal_reward_model_forward(tokenizer: PreTrainedTokenizerBase, side: str) -> None:
     model = reward_model(tokenizer).eval()
-    batch = collate_pairs(
-        encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id, side
-    )
+    batch = collate_pairs(encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id, side)
     with torch.no_grad():
         for sequences in (batch.chosen, batch.rejected):
             expected = model(sequences.input_ids, sequences.attention_mask, sequences.reply_start).scores
@@ -103,9 +100,7 @@ def test_lm_term_equals_the_cross_entropy_of_the_models_own_logits(
     chosen = batch.chosen
     with torch.no_grad():
         outputs = pair_outputs(model, batch, cache=None, with_lm_loss=True)
-        logits = model(
-            chosen.input_ids, chosen.attention_mask, chosen.reply_start, return_lm_logits=True
-        ).lm_logits
+        logits = model(chosen.input_ids, chosen.attention_mask, chosen.reply_start, return_lm_logits=True).lm_logits
     expected = F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]),
         chosen.labels[:, 1:].reshape(-1),
@@ -121,9 +116,7 @@ def test_frozen_layer_cache_gives_the_full_forwards_hidden_states(
     tokenizer: PreTrainedTokenizerBase, side: str
 ) -> None:
     model = reward_model(tokenizer, layers=3).eval()
-    batch = collate_pairs(
-        encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id, side
-    )
+    batch = collate_pairs(encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id, side)
     cache = FrozenLowerCache(num_lower=2)
     keys = [(i, "chosen") for i in range(4)]
     real = batch.chosen.attention_mask.bool()
@@ -216,9 +209,7 @@ def one_step_weights(
     freeze_all_but_top_layers(model, 1)
     cache = FrozenLowerCache(2) if cached else None
     encoded = encode_pairs(tokenizer, PAIRS, 128).pairs
-    plan = fixed_size_plan(
-        len(encoded), seed=0, micro_batch_size=micro_batch_size, accumulation_steps=accumulation
-    )
+    plan = fixed_size_plan(len(encoded), seed=0, micro_batch_size=micro_batch_size, accumulation_steps=accumulation)
     config = LoopConfig(lr=1e-3, adam_eps=1e-2, max_steps=1, progress_bar=False, max_grad_norm=None)
 
     def collate(indices: list[int]):  # noqa: ANN202

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from fixtures.tiny_ppo import tiny_config, write_prepared_data
 
+from fixtures.tiny_ppo import tiny_config, write_prepared_data
 from rlhf_core.config import Config
 from rlhf_core.models.heads import RewardModel
 from rlhf_core.models.loading import load_tokenizer
@@ -48,9 +47,7 @@ def marker_rows(count: int, seed: int) -> list[dict[str, str]]:
         chosen = " ".join(words[:position] + [MARKER] + words[position:])
         rejected = " ".join(rng.sample(WORDS, 7))
         prompt = f"\n\nHuman: Describe scene {i}, please."
-        rows.append(
-            {"chosen": f"{prompt}\n\nAssistant: {chosen}", "rejected": f"{prompt}\n\nAssistant: {rejected}"}
-        )
+        rows.append({"chosen": f"{prompt}\n\nAssistant: {chosen}", "rejected": f"{prompt}\n\nAssistant: {rejected}"})
     return rows
 
 

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+
 from fixtures.benchmarks import import_benchmark, write_validation_pairs
 
 

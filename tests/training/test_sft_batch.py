@@ -23,9 +23,7 @@ def ids_of(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_labels_are_the_last_reply_and_its_end_of_turn_only(
-    tokenizer: PreTrainedTokenizerBase, side: str
-) -> None:
+def test_labels_are_the_last_reply_and_its_end_of_turn_only(tokenizer: PreTrainedTokenizerBase, side: str) -> None:
     encoded = [
         encode_conversation(tokenizer, MULTI_TURN, REPLY),
         encode_conversation(tokenizer, SHORT, "Hello!"),
@@ -66,12 +64,8 @@ def test_padding_is_masked_and_never_labelled(tokenizer: PreTrainedTokenizerBase
     short_length = len(encoded[1].input_ids)
     right = collate_sequences(encoded, tokenizer.pad_token_id, "right")
     left = collate_sequences(encoded, tokenizer.pad_token_id, "left")
-    assert right.attention_mask[1].tolist() == [1] * short_length + [0] * (
-        right.input_ids.shape[1] - short_length
-    )
-    assert (
-        left.attention_mask[1].tolist() == [0] * (left.input_ids.shape[1] - short_length) + [1] * short_length
-    )
+    assert right.attention_mask[1].tolist() == [1] * short_length + [0] * (right.input_ids.shape[1] - short_length)
+    assert left.attention_mask[1].tolist() == [0] * (left.input_ids.shape[1] - short_length) + [1] * short_length
     for batch in (right, left):
         assert (batch.labels[batch.attention_mask == 0] == IGNORE_INDEX).all()
         assert batch.labels.shape == batch.input_ids.shape == batch.attention_mask.shape

@@ -69,9 +69,7 @@ def test_uniform_logits_cost_log_vocab_per_reply_token() -> None:
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 3, 6], [IGNORE_INDEX, 1, 0, IGNORE_INDEX]])
-    assert reply_token_nll(head, torch.randn(2, 4, 4), labels).item() == pytest.approx(
-        4 * math.log(7), rel=1e-6
-    )
+    assert reply_token_nll(head, torch.randn(2, 4, 4), labels).item() == pytest.approx(4 * math.log(7), rel=1e-6)
     assert perplexity(4 * math.log(7), 4) == pytest.approx(7.0)
 
 
@@ -82,16 +80,12 @@ def test_a_label_at_position_zero_is_never_a_target() -> None:
     nn.init.zeros_(head.bias)
     labels = torch.tensor([[5, 3, 6]])
     assert count_target_tokens(labels) == 2
-    assert reply_token_nll(head, torch.randn(1, 3, 4), labels).item() == pytest.approx(
-        2 * math.log(7), rel=1e-6
-    )
+    assert reply_token_nll(head, torch.randn(1, 3, 4), labels).item() == pytest.approx(2 * math.log(7), rel=1e-6)
 
 
 def test_causal_lm_reply_nll_equals_the_models_own_logits(tokenizer: PreTrainedTokenizerBase) -> None:
     model = build_tiny_model(tokenizer, seed=1)
-    batch = collate_sequences(
-        [encode_conversation(tokenizer, m, r) for m, r in DIALOGUES], tokenizer.pad_token_id
-    )
+    batch = collate_sequences([encode_conversation(tokenizer, m, r) for m, r in DIALOGUES], tokenizer.pad_token_id)
     with torch.no_grad():
         ours = causal_lm_reply_nll(model, batch).item()
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -118,9 +112,7 @@ def one_step_weights(
     """
     model = build_tiny_model(tokenizer, seed=2)
     encoded = [encode_conversation(tokenizer, m, r) for m, r in DIALOGUES]
-    plan = fixed_size_plan(
-        len(encoded), seed=0, micro_batch_size=micro_batch_size, accumulation_steps=accumulation
-    )
+    plan = fixed_size_plan(len(encoded), seed=0, micro_batch_size=micro_batch_size, accumulation_steps=accumulation)
     config = LoopConfig(lr=1e-3, adam_eps=1e-2, max_steps=1, progress_bar=False, max_grad_norm=None)
     collate = lambda indices: collate_sequences([encoded[i] for i in indices], tokenizer.pad_token_id)  # noqa: E731
     train(model, plan, collate, count_tokens, sft_loss, config)

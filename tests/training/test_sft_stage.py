@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from fixtures.commands import RLHF_COMMAND
 from fixtures.library_output import library_output, run_with_terminal_stderr, without_quiet_switches
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import tiny_config, write_prepared_data
-from safetensors.torch import load_file
-
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.sft.plots import CURVES_FILE, points, read_history

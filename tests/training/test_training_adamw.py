@@ -16,10 +16,19 @@ LR, BETAS, EPS, DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
 
 def reference_adamw(
-    weights: torch.Tensor, gradients: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float, decay: float
+    weights: torch.Tensor,
+    gradients: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    decay: float,
 ) -> torch.Tensor:
     """Loshchilov & Hutter's AdamW as torch documents it, one step per gradient, in float64."""
-    p, m, v = weights.double().clone(), torch.zeros_like(weights, dtype=torch.float64), torch.zeros_like(weights, dtype=torch.float64)
+    p, m, v = (
+        weights.double().clone(),
+        torch.zeros_like(weights, dtype=torch.float64),
+        torch.zeros_like(weights, dtype=torch.float64),
+    )
     for step, grad in enumerate(gradients, start=1):
         g = grad.double()
         p = p * (1 - lr * decay)

@@ -107,9 +107,7 @@ def test_length_grouped_plan_keeps_the_fixed_plans_shape_and_cuts_its_padding() 
 def test_length_grouped_plan_is_seeded_and_mixes_lengths_across_steps() -> None:
     lengths = lengths_for_test(400)
     plan = length_grouped_plan(lengths, seed=1, micro_batch_size=2, accumulation_steps=2)
-    assert [plan.step(k) for k in range(300)] == [
-        length_grouped_plan(lengths, 1, 2, 2).step(k) for k in range(300)
-    ]
+    assert [plan.step(k) for k in range(300)] == [length_grouped_plan(lengths, 1, 2, 2).step(k) for k in range(300)]
     assert plan.step(0) != length_grouped_plan(lengths, 2, 2, 2).step(0)
     longest = [max(lengths[i] for i in micro_batch) for micro_batch in plan.epoch_micro_batches(0)]
     assert longest != sorted(longest) and longest != sorted(longest, reverse=True)  # not in length order

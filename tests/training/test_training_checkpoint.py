@@ -115,8 +115,13 @@ def test_tied_embeddings_survive_the_round_trip(tmp_path: Path) -> None:
     def tied_llama(seed: int) -> LlamaForCausalLM:
         torch.manual_seed(seed)
         config = LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
         )
         return LlamaForCausalLM(config)
 

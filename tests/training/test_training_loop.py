@@ -62,9 +62,7 @@ def summed_nll(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
 
 
-def sft_loss(
-    model: nn.Module, batch: dict[str, Tensor], totals: dict[str, int]
-) -> tuple[Tensor, dict[str, float]]:
+def sft_loss(model: nn.Module, batch: dict[str, Tensor], totals: dict[str, int]) -> tuple[Tensor, dict[str, float]]:
     loss = summed_nll(model, batch) / totals["tokens"]
     return loss, {"nll": loss.item()}
 
@@ -238,8 +236,15 @@ def test_validation_cadence_best_tracking_logged_lr_and_grad_norm(tmp_path: Path
         return {"val/accuracy": next(scores)}
 
     config = LoopConfig(
-        max_steps=7, epochs=10, lr=1e-2, warmup_ratio=0.3, min_lr_ratio=0.1, max_grad_norm=0.5,
-        eval_every=2, eval_batches=3, progress_bar=False,
+        max_steps=7,
+        epochs=10,
+        lr=1e-2,
+        warmup_ratio=0.3,
+        min_lr_ratio=0.1,
+        max_grad_norm=0.5,
+        eval_every=2,
+        eval_batches=3,
+        progress_bar=False,
     )
     logger = JsonlLogger(tmp_path / "history.jsonl")
     result = train(
@@ -282,9 +287,7 @@ def test_rerun_of_a_finished_run_restores_its_result_and_trains_nothing(tmp_path
     sequences = random_sequences([3, 4, 5, 6, 7, 8], seed=7)
     collate = lambda indices: pad_batch([sequences[i] for i in indices])  # noqa: E731
     plan = fixed_size_plan(6, seed=0, micro_batch_size=2, accumulation_steps=1)
-    config = LoopConfig(
-        epochs=2, max_steps=5, lr=1e-2, checkpoint_every=2, keep_checkpoints=2, progress_bar=False
-    )
+    config = LoopConfig(epochs=2, max_steps=5, lr=1e-2, checkpoint_every=2, keep_checkpoints=2, progress_bar=False)
     model = tiny_llama()
     first = train(model, plan, collate, token_count, sft_loss, config, checkpoint_dir=tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000004", "step-00000005"]
@@ -293,9 +296,7 @@ def test_rerun_of_a_finished_run_restores_its_result_and_trains_nothing(tmp_path
         raise AssertionError("a finished run trained again")
 
     rerun_model = tiny_llama(seed=1)
-    second = train(
-        rerun_model, plan, collate, token_count, must_not_train, config, checkpoint_dir=tmp_path / "ckpt"
-    )
+    second = train(rerun_model, plan, collate, token_count, must_not_train, config, checkpoint_dir=tmp_path / "ckpt")
     assert second.resumed_from == 5 and second.final_step == 5
     assert second.metrics == first.metrics
     assert torch.equal(flat_parameters(rerun_model), flat_parameters(model))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.paths import ROOT
 from safetensors.torch import load_file
 
+from fixtures.paths import ROOT
 from rlhf_core.training.checkpoint import (
     MARKER_FILE,
     TEMPORARY_PREFIX,

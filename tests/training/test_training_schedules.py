@@ -48,5 +48,9 @@ def test_unknown_schedule_is_rejected_by_name() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=1.0)
     with pytest.raises(ValueError, match="'linear'"):
         build_scheduler(
-            optimizer, "linear", total_steps=10, warmup_ratio=0.0, min_ratio=0.0  # type: ignore[arg-type]
+            optimizer,
+            "linear",
+            total_steps=10,
+            warmup_ratio=0.0,
+            min_ratio=0.0,  # type: ignore[arg-type]
         )

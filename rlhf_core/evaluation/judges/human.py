@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_core.atomic import atomic_write_text
 from rlhf_core.evaluation.judges.verdicts import JudgeInfo, Judgement, Verdict
+
 # A session keeps the pairs and verdicts under the names `rlhf eval` gives them; VERDICTS_FILE is checked so
 # no other judge's verdicts are overwritten.
 from rlhf_core.evaluation.outputs import GENERATIONS_FILE as PAIRS_FILE
