@@ -185,13 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = check_targets(ours_reports[0]["settings"]["model"], ratios)
     if baseline_reports:
         targets["generation"] = check_generation(ours, median_figures(baseline_reports), args.baseline_engine)
-    comparison = {
-        "rounds": args.rounds,
-        "ours": ours,
-        "trl": trl,
-        "ours_over_trl": ratios,
-        "targets": targets,
-    }
+    comparison = {"rounds": args.rounds, "ours": ours, "trl": trl, "ours_over_trl": ratios, "targets": targets}
     (args.out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n", encoding="utf-8")
     return 0
 

@@ -37,12 +37,7 @@ from rlhf_core.config import RolloutConfig, load_config
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_prompt
 from rlhf_core.ppo.scoring import response_logprobs
-from rlhf_core.rollout.engine import (
-    Generation,
-    HFGenerateEngine,
-    RolloutEngine,
-    SamplingParams,
-)
+from rlhf_core.rollout.engine import Generation, HFGenerateEngine, RolloutEngine, SamplingParams
 from rlhf_core.rollout.generation import left_pad, sampling_config
 from rlhf_core.rollout.lean_engine import LeanEngine
 

@@ -297,10 +297,7 @@ class IterationClock(TrainerCallback):
         total = ended - self.iteration_started
         self.iterations.append(
             IterationTimes(
-                generate_s=generate,
-                score_s=score,
-                train_s=training,
-                other_s=total - generate - score - training,
+                generate_s=generate, score_s=score, train_s=training, other_s=total - generate - score - training
             )
         )
         self.iteration_started = self.measurement_ended = ended

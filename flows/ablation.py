@@ -38,13 +38,7 @@ from pydantic import BaseModel, Field, model_validator
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from flows.run_settings import RunSettings
 from rlhf_core.ablation.comparison import ComparisonRow
-from rlhf_core.ablation.grid import (
-    AblationPlan,
-    GridSpec,
-    VariantSpec,
-    plan_ablation,
-    read_grid,
-)
+from rlhf_core.ablation.grid import AblationPlan, GridSpec, VariantSpec, plan_ablation, read_grid
 from rlhf_core.config import Config
 from rlhf_core.stage_outputs import StageOutput
 from tasks.ablation.base import AblationBase, BaseReference, resolve_base

@@ -364,10 +364,7 @@ def log_stop(logger: Logger | LoggerAdapter, error: BaseException, stage: str | 
         )
 
 
-@flow(
-    name="rlhf-pipeline",
-    description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, evaluate, register.",
-)
+@flow(name="rlhf-pipeline", description="PPO-max RLHF: prepare data, SFT, reward model, PPO-max, evaluate, register.")
 def rlhf_pipeline(settings: PipelineSettings = DEFAULT_SETTINGS) -> PipelineResult:
     """Run the pipeline as `settings` asks; see the module docstring for the steps."""
     logger = get_run_logger()

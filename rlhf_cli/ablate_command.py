@@ -36,8 +36,7 @@ BaseOption = Annotated[
     ),
 ]
 VariantOption = Annotated[
-    list[str] | None,
-    typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable)."),
+    list[str] | None, typer.Option("--variant", metavar="NAME", help="Run only this variant of the grid (repeatable).")
 ]
 InputOption = Annotated[
     str | None, typer.Option(metavar="DIR", help="This input instead of the base's (a stage output directory).")

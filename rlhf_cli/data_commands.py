@@ -142,16 +142,14 @@ def add(
     # Described in the docstring, not in an Arguments section: that section would print a type tag.
     file: Annotated[Path, typer.Argument(metavar="FILE", hidden=True)],
     remote: Annotated[
-        str | None,
-        typer.Option("--remote", "-r", metavar="NAME", help="DVC remote to push to (default: core.remote)."),
+        str | None, typer.Option("--remote", "-r", metavar="NAME", help="DVC remote to push to (default: core.remote).")
     ] = None,
     push: Annotated[bool, typer.Option("--push/--no-push", help="Push the new version to the remote.")] = True,
     config: ConfigOption = None,
     set_: SetOption = None,
     params: ParamsOption = Path("params.yaml"),
     out: Annotated[
-        Path | None,
-        typer.Option("--out", metavar="DIR", help="The DVC-tracked raw data directory (default data/raw)."),
+        Path | None, typer.Option("--out", metavar="DIR", help="The DVC-tracked raw data directory (default data/raw).")
     ] = None,
 ) -> None:
     """Validate a preference file, merge it into the raw data, dvc add + push it, print the data version.

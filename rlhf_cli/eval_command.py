@@ -137,8 +137,7 @@ ModelBOption = Annotated[
     str, typer.Option("--b", metavar="MODEL", help="Model B, the baseline (e.g. artifacts/sft, models:/NAME/VERSION).")
 ]
 JudgeOption = Annotated[
-    str | None,
-    typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml)."),
+    str | None, typer.Option("--judge", metavar="rm|llm", help="rm | llm (default: evaluation.judge in params.yaml).")
 ]
 JudgeRmOption = Annotated[
     str | None,

@@ -50,9 +50,7 @@ app.add_typer(config_app, name="config")
 
 @config_app.command("show")
 def config_show(
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    params: ParamsOption = Path("params.yaml"),
+    config: ConfigOption = None, set_: SetOption = None, params: ParamsOption = Path("params.yaml")
 ) -> None:
     """Print the resolved configuration as YAML (PPO preset switches filled in)."""
     resolved = resolve_config(params, config, set_)

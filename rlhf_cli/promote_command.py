@@ -58,10 +58,7 @@ def promote(
 
         try:
             settings = PromoteSettings(
-                mode="rollback" if rollback else "evaluate",
-                override=override,
-                reason=reason,
-                **start.shared_settings,
+                mode="rollback" if rollback else "evaluate", override=override, reason=reason, **start.shared_settings
             )
         except ValidationError as error:  # the form's rules (flows/promote.py), before the flow starts
             raise typer.BadParameter(error.errors()[0]["msg"].removeprefix("Value error, ")) from None

@@ -51,8 +51,7 @@ StageOption = Annotated[
     ),
 ]
 LimitOption = Annotated[
-    int | None,
-    typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap)."),
+    int | None, typer.Option("--limit", metavar="N", help="Most flow runs this process runs at once (default: no cap).")
 ]
 
 

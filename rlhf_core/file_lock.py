@@ -96,10 +96,7 @@ def acquire_lock(path: Path, stage: str, wait: bool = False) -> HeldLock:
         os.close(descriptor)  # the holder released it and removed the file between our open and lock
     previous = read_holder(descriptor)
     holder = LockHolder(
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        started=datetime.now(UTC).isoformat(timespec="seconds"),
-        stage=stage,
+        pid=os.getpid(), host=socket.gethostname(), started=datetime.now(UTC).isoformat(timespec="seconds"), stage=stage
     )
     try:
         write_holder(descriptor, holder)

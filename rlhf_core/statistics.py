@@ -62,10 +62,7 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
 
 
 def bootstrap_mean_interval(
-    values: Sequence[float] | np.ndarray,
-    confidence: float = 0.95,
-    resamples: int = DEFAULT_RESAMPLES,
-    seed: int = 0,
+    values: Sequence[float] | np.ndarray, confidence: float = 0.95, resamples: int = DEFAULT_RESAMPLES, seed: int = 0
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of `values` [N], one value per pair.
 
@@ -92,10 +89,7 @@ def bootstrap_mean_interval(
 
 
 def paired_bootstrap_interval(
-    outcomes: Sequence[int] | np.ndarray,
-    confidence: float = 0.95,
-    resamples: int = DEFAULT_RESAMPLES,
-    seed: int = 0,
+    outcomes: Sequence[int] | np.ndarray, confidence: float = 0.95, resamples: int = DEFAULT_RESAMPLES, seed: int = 0
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of win rate minus lose rate (`bootstrap_mean_interval` of the outcomes).
 

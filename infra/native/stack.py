@@ -31,21 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stack_compose import (
-    INFRA,
-    Placement,
-    container_port,
-    load_services,
-    read_env_file,
-    start_order,
-)
-from stack_processes import (
-    StackError,
-    family_groups,
-    group_alive,
-    kill_groups,
-    stop_group,
-)
+from stack_compose import INFRA, Placement, container_port, load_services, read_env_file, start_order
+from stack_processes import StackError, family_groups, group_alive, kill_groups, stop_group
 from stack_services import ServiceStarter
 
 CHECKOUT = INFRA.parent
@@ -135,10 +122,7 @@ def _ports(services: dict[str, dict], overrides: dict[str, int]) -> dict[str, tu
         inside = container_port(service)
         if inside is not None:
             published = [int(str(item).split(":")[-2]) for item in service.get("ports") or []]
-            ports[name] = (
-                inside,
-                overrides.get(name) or (published[0] if published else _free_port()),
-            )
+            ports[name] = (inside, overrides.get(name) or (published[0] if published else _free_port()))
     unknown = set(overrides) - set(ports)
     if unknown:
         raise StackError(f"--port names services that do not listen: {sorted(unknown)}; these do: {sorted(ports)}")
@@ -178,31 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "status", "restart", "kill", "down"])
     parser.add_argument("service", nargs="?", help="restart, kill: the compose service, e.g. mlflow-db")
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        default=CHECKOUT / ".stack",
-        help="data, logs, stack.json",
-    )
-    parser.add_argument(
-        "--env-file",
-        type=Path,
-        default=INFRA / ".env",
-        help="the credentials (as for compose)",
-    )
-    parser.add_argument(
-        "--project-dir",
-        type=Path,
-        default=CHECKOUT,
-        help="where the workers run flow runs",
-    )
-    parser.add_argument(
-        "--port",
-        action="append",
-        default=[],
-        metavar="SERVICE=PORT",
-        help="e.g. mlflow=5001",
-    )
+    parser.add_argument("--state-dir", type=Path, default=CHECKOUT / ".stack", help="data, logs, stack.json")
+    parser.add_argument("--env-file", type=Path, default=INFRA / ".env", help="the credentials (as for compose)")
+    parser.add_argument("--project-dir", type=Path, default=CHECKOUT, help="where the workers run flow runs")
+    parser.add_argument("--port", action="append", default=[], metavar="SERVICE=PORT", help="e.g. mlflow=5001")
     args = parser.parse_args(argv)
     state = args.state_dir.resolve()
     try:

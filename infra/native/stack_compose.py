@@ -102,11 +102,7 @@ class Placement:
     def localize(self, value: str, service: dict) -> str:
         """One command argument or environment value of `service`, moved from the containers to this machine."""
         for name, (inside, here) in self.ports.items():
-            value = re.sub(
-                rf"(?<![\w.-]){re.escape(name)}:{inside}(?!\d)",
-                f"127.0.0.1:{here}",
-                value,
-            )
+            value = re.sub(rf"(?<![\w.-]){re.escape(name)}:{inside}(?!\d)", f"127.0.0.1:{here}", value)
         for mount in service.get("volumes") or []:
             source, target = str(mount).split(":")[:2]
             # A named volume is a folder of the state folder; a mounted file (./x) is read in place in infra/.

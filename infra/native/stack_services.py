@@ -20,14 +20,7 @@ import boto3
 import stack_postgres
 from botocore.config import Config
 from stack_compose import INFRA, Placement
-from stack_processes import (
-    StackError,
-    http_json,
-    http_status,
-    log_tail,
-    start_detached,
-    wait_until,
-)
+from stack_processes import StackError, http_json, http_status, log_tail, start_detached, wait_until
 
 WORKER_IMAGE = "rlhf-pipeline-worker:"
 MLFLOW_IMAGE = "rlhf-mlflow-server:"
@@ -40,14 +33,7 @@ _HEALTH_URL = re.compile(r"http://localhost:(\d+)(/[^'\"]*)")
 class ServiceStarter:
     """Starts services into `state` at `placement`, recording each one in `record["services"]`."""
 
-    def __init__(
-        self,
-        placement: Placement,
-        state: Path,
-        project_dir: Path,
-        base_env: dict[str, str],
-        record: dict,
-    ):
+    def __init__(self, placement: Placement, state: Path, project_dir: Path, base_env: dict[str, str], record: dict):
         self.placement = placement
         self.state = state
         self.project_dir = project_dir
@@ -77,19 +63,11 @@ class ServiceStarter:
         """`prefect deploy --all` from the project folder, as a worker's settings see the Prefect server."""
         worker = next(name for name, service in services.items() if str(service.get("image")).startswith(WORKER_IMAGE))
         env = {**self.base_env, **self._prefect_client_env(services[worker], worker)}
-        env |= {
-            "PREFECT_HOME": str(self.state / "deploy" / "home"),
-            "RLHF_PROJECT_DIR": str(self.project_dir),
-        }
+        env |= {"PREFECT_HOME": str(self.state / "deploy" / "home"), "RLHF_PROJECT_DIR": str(self.project_dir)}
         command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"]
         with self._log("deploy").open("ab") as log:
             result = subprocess.run(
-                command,
-                check=False,
-                env=env,
-                cwd=self.project_dir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                command, check=False, env=env, cwd=self.project_dir, stdout=log, stderr=subprocess.STDOUT
             )
         if result.returncode != 0:
             raise StackError(
@@ -106,47 +84,23 @@ class ServiceStarter:
 
     def _start_s3(self, name: str, minio: dict, minio_init: dict) -> None:
         """`rclone serve s3` over the `minio-data` volume, accepting MinIO's root user and the workers' key."""
-        root, init = (
-            self.placement.environment(minio, name),
-            self.placement.environment(minio_init, "minio-init"),
-        )
+        root, init = (self.placement.environment(minio, name), self.placement.environment(minio_init, "minio-init"))
         data = Path(self.placement.localize("/data", minio))
         data.mkdir(parents=True, exist_ok=True)
         address = f"{self.placement.bind_address}:{self._port(name)}"
-        command = [
-            _rclone(),
-            "serve",
-            "s3",
-            str(data),
-            "--addr",
-            address,
-            "--config",
-            "",
-        ]
-        command += [
-            "--auth-key",
-            f"{root['MINIO_ROOT_USER']},{root['MINIO_ROOT_PASSWORD']}",
-        ]
+        command = [_rclone(), "serve", "s3", str(data), "--addr", address, "--config", ""]
+        command += ["--auth-key", f"{root['MINIO_ROOT_USER']},{root['MINIO_ROOT_PASSWORD']}"]
         command += ["--auth-key", f"{init['S3_ACCESS_KEY']},{init['S3_SECRET_KEY']}"]
         group = start_detached(command, self.base_env, data, self._log(name))
         self._remember(name, group)
         url = f"http://{address}"
-        wait_until(
-            name,
-            group,
-            self._log(name),
-            lambda: http_status(url) is not None,
-            S3_START_TIMEOUT_S,
-        )
+        wait_until(name, group, self._log(name), lambda: http_status(url) is not None, S3_START_TIMEOUT_S)
 
     def _create_buckets(self, minio: dict) -> None:
         """The buckets infra/minio/create-buckets.sh makes (`mc mb ... local/NAME`), made through the S3 API
         as MinIO's root user."""
         script = (INFRA / "minio" / "create-buckets.sh").read_text()
-        buckets = re.findall(
-            r"local/([\w.-]+)",
-            next(line for line in script.splitlines() if " mb " in line),
-        )
+        buckets = re.findall(r"local/([\w.-]+)", next(line for line in script.splitlines() if " mb " in line))
         root = self.placement.environment(minio, "minio")
         client = boto3.client(
             "s3",

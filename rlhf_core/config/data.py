@@ -11,8 +11,7 @@ class DataConfig(Section):
     """Where the preference pairs come from, how they are validated and how they are split."""
 
     source: str = Field(
-        "Anthropic/hh-rlhf",
-        description="A local .jsonl/.jsonl.gz/.json/.parquet file, or a Hugging Face dataset id.",
+        "Anthropic/hh-rlhf", description="A local .jsonl/.jsonl.gz/.json/.parquet file, or a Hugging Face dataset id."
     )
     hub_data_dir: str | None = Field("harmless-base", description="data_dir of a Hub dataset.")
     hub_split: str = Field("train", description="Split of a Hub dataset.")

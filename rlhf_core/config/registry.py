@@ -29,10 +29,7 @@ class PromotionConfig(Section):
         "null: not checked.",
     )
     min_win_minus_loss_low: float = Field(
-        0.0,
-        ge=-1,
-        lt=1,
-        description="The lower end of the 95% bootstrap interval of win minus loss must exceed this.",
+        0.0, ge=-1, lt=1, description="The lower end of the 95% bootstrap interval of win minus loss must exceed this."
     )
     min_length_ratio: float | None = Field(
         0.67,

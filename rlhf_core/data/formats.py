@@ -70,8 +70,7 @@ def parse_row(row: Mapping[str, object], source: str, line: int) -> PreferencePa
             prompt, chosen, rejected = _parse_prompt_chosen_rejected(row)
         else:
             raise _RowRejected(
-                DropReason.MISSING_FIELD,
-                f"row has none of the fields prompt/chosen/rejected (keys: {sorted(row)})",
+                DropReason.MISSING_FIELD, f"row has none of the fields prompt/chosen/rejected (keys: {sorted(row)})"
             )
     except _RowRejected as rejection:
         return Drop(reason=rejection.reason, detail=rejection.detail, source=source, line=line)
@@ -200,8 +199,7 @@ def _prompt_messages(value: object) -> tuple[Message, ...]:
         return tuple(_messages_from_list(value, "prompt"))
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.WRONG_TYPE,
-            f"field 'prompt' is {json_type(value)}, expected a string or a list of messages",
+            DropReason.WRONG_TYPE, f"field 'prompt' is {json_type(value)}, expected a string or a list of messages"
         )
     if not value.startswith(("Human:", "\n\nHuman:")):
         return (Message(role="user", content=value.strip()),)
@@ -218,8 +216,7 @@ def _reply_field(row: Mapping[str, object], field: str) -> tuple[tuple[Message, 
         return _split_reply(_messages_from_list(value, field), field)
     if not isinstance(value, str):
         raise _RowRejected(
-            DropReason.WRONG_TYPE,
-            f"field '{field}' is {json_type(value)}, expected a string or a list of messages",
+            DropReason.WRONG_TYPE, f"field '{field}' is {json_type(value)}, expected a string or a list of messages"
         )
     if not value.strip():
         raise _RowRejected(DropReason.EMPTY_REPLY, f"{field}: the reply is empty")
@@ -227,9 +224,7 @@ def _reply_field(row: Mapping[str, object], field: str) -> tuple[tuple[Message, 
 
 
 def _shared_prompt(
-    explicit: tuple[Message, ...] | None,
-    chosen_context: tuple[Message, ...],
-    rejected_context: tuple[Message, ...],
+    explicit: tuple[Message, ...] | None, chosen_context: tuple[Message, ...], rejected_context: tuple[Message, ...]
 ) -> tuple[Message, ...]:
     """The one prompt both replies answer: the prompt field, or the messages both reply lists start with."""
     prompts = []

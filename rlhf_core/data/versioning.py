@@ -30,13 +30,7 @@ from rlhf_core.data.prepare import split_config
 from rlhf_core.data.readers import SUPPORTED_SUFFIXES, RawRow, open_source
 from rlhf_core.data.records import Drop, PreferencePair
 from rlhf_core.data.splits import Split, SplitConfig, assign_split
-from rlhf_core.data.validation import (
-    DropLog,
-    DuplicateFilter,
-    TokenLengthFn,
-    check_drop_fraction,
-    check_token_length,
-)
+from rlhf_core.data.validation import DropLog, DuplicateFilter, TokenLengthFn, check_drop_fraction, check_token_length
 
 OVERLAP_ROWS_SHOWN = 20
 PROMPT_EXCERPT_CHARS = 70

@@ -84,14 +84,7 @@ def launcher_command(spec: Launch) -> list[str]:
     distributed = spec.distributed
     if distributed.world_size == 1:
         return [sys.executable, "-u", "-m", spec.module, *spec.args]
-    command = [
-        sys.executable,
-        "-u",
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(distributed.num_processes),
-    ]
+    command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(distributed.num_processes)]
     if distributed.num_nodes > 1:
         command += ["--num_nodes", str(distributed.num_nodes), "--hostfile", str(distributed.hostfile)]
     if distributed.master_addr is not None:

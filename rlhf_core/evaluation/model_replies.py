@@ -43,12 +43,7 @@ class ModelReplies:
         return [[main, *extra] for main, extra in zip(self.main, self.extra)]
 
 
-def replies_key(
-    model_sha256: str,
-    prompts: Sequence[EvalPrompt],
-    config: Config,
-    device: torch.device,
-) -> str:
+def replies_key(model_sha256: str, prompts: Sequence[EvalPrompt], config: Config, device: torch.device) -> str:
     """A sha256 of everything that decides a model's `ModelReplies`: the model's content, the prompts and
     their reference replies, the sampling settings, seed and sample count, the batch size, the settings
     of the perplexity measurement, the dtype, the device type, the CPU thread count and the torch version."""

@@ -100,10 +100,7 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls,
-        directory: str | Path,
-        dtype: torch.dtype = DEFAULT_DTYPE,
-        device: str | torch.device = DEFAULT_DEVICE,
+        cls, directory: str | Path, dtype: torch.dtype = DEFAULT_DTYPE, device: str | torch.device = DEFAULT_DEVICE
     ) -> RewardModel:
         """Load a directory written by `save_pretrained`, in eval mode."""
         parts = load_scalar_head_model(directory, dtype=dtype, device=device)
@@ -126,11 +123,7 @@ class RewardModel(nn.Module):
         return save_scalar_head_model(out_dir, self.backbone, self.score_head, tokenizer, head_config, separate_lm_head)
 
     def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        reply_start: Tensor | int,
-        return_lm_logits: bool = False,
+        self, input_ids: Tensor, attention_mask: Tensor, reply_start: Tensor | int, return_lm_logits: bool = False
     ) -> RewardOutput:
         """Scores [B] read at `reply_end_positions(...)`; LM logits [B, T, V] too when `return_lm_logits`.
 
@@ -188,10 +181,7 @@ class Critic(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls,
-        directory: str | Path,
-        dtype: torch.dtype = DEFAULT_DTYPE,
-        device: str | torch.device = DEFAULT_DEVICE,
+        cls, directory: str | Path, dtype: torch.dtype = DEFAULT_DTYPE, device: str | torch.device = DEFAULT_DEVICE
     ) -> Critic:
         """Load a saved critic, or a saved reward model as the critic's initialisation (dropping its LM head)."""
         parts = load_scalar_head_model(directory, dtype=dtype, device=device)

@@ -31,9 +31,7 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(
-    name_or_path: str | Path,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    device: str | torch.device = DEFAULT_DEVICE,
+    name_or_path: str | Path, dtype: torch.dtype = DEFAULT_DTYPE, device: str | torch.device = DEFAULT_DEVICE
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM (in eval mode, on `device`, in `dtype`) and its tokenizer.
 

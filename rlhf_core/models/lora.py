@@ -90,11 +90,7 @@ def adapted_layer_names(model: nn.Module, target_modules: Sequence[str], top_lay
 
 
 def add_lora_adapters(
-    model: nn.Module,
-    settings: LoraConfig,
-    top_layers: int | None,
-    seed: int,
-    heads: Sequence[nn.Module] = (),
+    model: nn.Module, settings: LoraConfig, top_layers: int | None, seed: int, heads: Sequence[nn.Module] = ()
 ) -> int:
     """Inject adapters into `model` in place and leave only them and `heads` trainable.
 
@@ -124,11 +120,7 @@ def add_lora_adapters(
 
 
 def make_trainable(
-    model: nn.Module,
-    top_layers: int | None,
-    lora: LoraConfig,
-    seed: int,
-    heads: Sequence[nn.Module] = (),
+    model: nn.Module, top_layers: int | None, lora: LoraConfig, seed: int, heads: Sequence[nn.Module] = ()
 ) -> int:
     """A stage's choice of what trains: LoRA adapters (+ `heads`) when `lora.enabled`, else the top
     `top_layers` blocks, the final norm and everything outside the backbone. Returns the trainable count."""

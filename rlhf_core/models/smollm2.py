@@ -87,9 +87,7 @@ def ensure_smollm2_cache(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_smollm2(
-    cache_dir: str | Path | None = None,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    device: str | torch.device = DEFAULT_DEVICE,
+    cache_dir: str | Path | None = None, dtype: torch.dtype = DEFAULT_DTYPE, device: str | torch.device = DEFAULT_DEVICE
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct and its tokenizer from the safetensors cache (converted on first use)."""
     return load_causal_lm(ensure_smollm2_cache(cache_dir), dtype=dtype, device=device)

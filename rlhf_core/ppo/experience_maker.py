@@ -38,11 +38,7 @@ from rlhf_core.ppo.recipe import assemble_experience
 from rlhf_core.ppo.scoring import RewardModelScorer, Scorer, chunks, response_logprobs, response_values
 from rlhf_core.ppo.sequences import TrunkStates
 from rlhf_core.ppo.shared_trunk import SharedTrunk, find_shared_trunk, share_storage
-from rlhf_core.rollout.engine import (
-    Generation,
-    RolloutEngine,
-    SamplingParams,
-)
+from rlhf_core.rollout.engine import Generation, RolloutEngine, SamplingParams
 from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.rollout.generation import left_pad, stop_token_ids
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan

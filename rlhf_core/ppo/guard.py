@@ -52,12 +52,7 @@ def check_kl(kl: float, max_kl: float | None, step: int) -> None:
 
 
 def check_length_ratio(
-    length: float,
-    start_length: float,
-    min_ratio: float | None,
-    max_ratio: float | None,
-    step: int,
-    rollouts: int = 1,
+    length: float, start_length: float, min_ratio: float | None, max_ratio: float | None, step: int, rollouts: int = 1
 ) -> None:
     """Mean response length over the initial policy's must stay within [`min_ratio`, `max_ratio`] (None:
     that side open): the band the promotion gate holds the evaluation replies to, so a run that learns to

@@ -40,16 +40,10 @@ FIGURE_4_PANELS = (
     Panel(
         "perplexity",
         "response perplexity",
-        (
-            ("perplexity/policy", "policy"),
-            ("perplexity/reference", "reference"),
-            ("val/perplexity", "validation"),
-        ),
+        (("perplexity/policy", "policy"), ("perplexity/reference", "reference"), ("val/perplexity", "validation")),
     ),
     Panel(
-        "response_length",
-        "response length (tokens)",
-        (("response/length_mean", "train"), ("val/length", "validation")),
+        "response_length", "response length (tokens)", (("response/length_mean", "train"), ("val/length", "validation"))
     ),
 )
 

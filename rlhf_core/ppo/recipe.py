@@ -134,12 +134,7 @@ def behaviour_logprobs(batch: Experience, config: PPOConfig) -> Tensor:
 
 
 def policy_terms(
-    logprobs: Tensor,
-    entropy: Tensor,
-    batch: Experience,
-    advantages: Tensor,
-    config: PPOConfig,
-    num_tokens: int,
+    logprobs: Tensor, entropy: Tensor, batch: Experience, advantages: Tensor, config: PPOConfig, num_tokens: int
 ) -> tuple[Tensor, Tensor, PolicyLossStats]:
     """Clipped surrogate and mean entropy (0-d, token sums / `num_tokens`) of one micro-batch.
 

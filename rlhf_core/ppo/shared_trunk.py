@@ -95,10 +95,7 @@ class SharedTrunk:
 
     @torch.no_grad()
     def states(
-        self,
-        prompt: tuple[Tensor, Tensor],
-        response: tuple[Tensor, Tensor],
-        micro_batch_size: int,
+        self, prompt: tuple[Tensor, Tensor], response: tuple[Tensor, Tensor], micro_batch_size: int
     ) -> TrunkStates:
         """The residual stream ``[B, P + T, H]`` of a rollout, `micro_batch_size` rows per pass.
 
@@ -151,9 +148,7 @@ def share_storage(trunk: SharedTrunk, frozen: dict[str, tuple[nn.Module, nn.Modu
 
 
 def find_shared_trunk(
-    policy: PreTrainedModel,
-    others: dict[str, nn.Module | None],
-    trainable_top_layers: int | None,
+    policy: PreTrainedModel, others: dict[str, nn.Module | None], trainable_top_layers: int | None
 ) -> SharedTrunk | None:
     """The trunk the policy shares with the models in `others` (backbones by `MEMBERS` name), or None.
 

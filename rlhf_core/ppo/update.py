@@ -128,12 +128,7 @@ class PPOUpdate:
         metrics["value/clip_fraction"] += share * float(stats.clip_fraction)
 
     def _policy_backward(
-        self,
-        micro: Experience,
-        num_tokens: int,
-        ptx: tuple[PtxBatch, int] | None,
-        step: int,
-        metrics: dict[str, float],
+        self, micro: Experience, num_tokens: int, ptx: tuple[PtxBatch, int] | None, step: int, metrics: dict[str, float]
     ) -> None:
         """Policy objective of one micro-batch (with its PPO-ptx micro-batch and the mini-batch's PPO-ptx
         token count, if any) and its gradient."""

@@ -26,11 +26,7 @@ def ranking_loss_sum(chosen_scores: Tensor, rejected_scores: Tensor) -> Tensor:
 
 
 def reward_model_loss(
-    ranking_sum: Tensor,
-    lm_nll_sum: Tensor | None,
-    pairs_total: int,
-    tokens_total: int,
-    beta_rm: float,
+    ranking_sum: Tensor, lm_nll_sum: Tensor | None, pairs_total: int, tokens_total: int, beta_rm: float
 ) -> Tensor:
     """Eq. (2) for one micro-batch: ranking_sum / pairs_total + beta_rm * lm_nll_sum / tokens_total.
 

@@ -40,9 +40,5 @@ def pair_accuracy(margins: np.ndarray) -> PairAccuracy:
     correct = int((margins > 0).sum())
     low, high = wilson_interval(correct, margins.size)
     return PairAccuracy(
-        accuracy=correct / margins.size,
-        low=low,
-        high=high,
-        pairs=int(margins.size),
-        mean_margin=float(margins.mean()),
+        accuracy=correct / margins.size, low=low, high=high, pairs=int(margins.size), mean_margin=float(margins.mean())
     )

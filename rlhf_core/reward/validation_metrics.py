@@ -16,11 +16,7 @@ Metrics = dict[str, float]
 
 
 def validation_metrics(
-    scores: PairScores,
-    beta_rm: float,
-    reply_tokens: tuple[np.ndarray, np.ndarray],
-    resamples: int = 0,
-    seed: int = 0,
+    scores: PairScores, beta_rm: float, reply_tokens: tuple[np.ndarray, np.ndarray], resamples: int = 0, seed: int = 0
 ) -> Metrics:
     """Accuracy with its Wilson interval, mean margin, the eq. (2) loss terms, and the skill beyond length
     (`reply_tokens`: both replies' lengths of the scored pairs) on validation pairs.

@@ -96,9 +96,7 @@ def generate_responses(
     responses.
     """
     output = policy.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        generation_config=sampling_config(settings, stop_ids, pad_id),
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, stop_ids, pad_id)
     )
     response_ids = output[:, prompt_ids.shape[1] :]
     mask, finished = mask_after_stop(response_ids, stop_ids)

@@ -38,19 +38,8 @@ from transformers.generation.logits_process import (
 from rlhf_core.config.generation import GenerationConfig, RolloutConfig
 from rlhf_core.rollout.decode_step import DecodeStep, usable
 from rlhf_core.rollout.decode_weights import DecoderWeights
-from rlhf_core.rollout.engine import (
-    Generation,
-    SamplingParams,
-    finish_replies,
-    seeded,
-)
-from rlhf_core.rollout.llama_decoder import (
-    Capture,
-    KVCache,
-    Positions,
-    TorchStep,
-    next_token_logits,
-)
+from rlhf_core.rollout.engine import Generation, SamplingParams, finish_replies, seeded
+from rlhf_core.rollout.llama_decoder import Capture, KVCache, Positions, TorchStep, next_token_logits
 from rlhf_core.rollout.sampling import draw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

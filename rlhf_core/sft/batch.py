@@ -63,9 +63,7 @@ def reply_fits(tokenizer: PreTrainedTokenizerBase, reply: str, max_length: int) 
 
 
 def encode_examples(
-    tokenizer: PreTrainedTokenizerBase,
-    examples: Sequence[tuple[Sequence[Message], str]],
-    max_length: int,
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[tuple[Sequence[Message], str]], max_length: int
 ) -> EncodedExamples:
     """Encode (prompt, reply) examples; a reply longer than `max_length` by itself is dropped and counted.
 

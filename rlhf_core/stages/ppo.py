@@ -272,12 +272,7 @@ def ppo_run_inputs(config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path) 
 
 
 def run_ppo(
-    config: Config,
-    data_dir: Path,
-    sft_dir: Path,
-    rm_dir: Path,
-    out_dir: Path,
-    logger: MetricsLogger | None = None,
+    config: Config, data_dir: Path, sft_dir: Path, rm_dir: Path, out_dir: Path, logger: MetricsLogger | None = None
 ) -> StageResult:
     """Train the policy with PPO-max (resuming from `out_dir/checkpoints` if possible); see module doc.
 

@@ -56,12 +56,7 @@ from rlhf_core.reward.batch import (
     pair_reply_tokens,
 )
 from rlhf_core.reward.frozen_cache import FrozenLowerCache
-from rlhf_core.reward.length_debias import (
-    length_balanced_pairs,
-    logit_scores,
-    new_length_head,
-    odin_penalty,
-)
+from rlhf_core.reward.length_debias import length_balanced_pairs, logit_scores, new_length_head, odin_penalty
 from rlhf_core.reward.length_metrics import AUC_GAIN_RESAMPLES
 from rlhf_core.reward.loss import ranking_loss_sum, reward_model_loss
 from rlhf_core.reward.plots import plot_margin_histogram

@@ -36,13 +36,7 @@ from rlhf_core.models.base import load_base_model
 from rlhf_core.models.freezing import enable_gradient_checkpointing
 from rlhf_core.models.lora import make_trainable
 from rlhf_core.models.saving import save_causal_lm
-from rlhf_core.sft.batch import (
-    EncodedExamples,
-    SequenceBatch,
-    collate_sequences,
-    encode_examples,
-    evaluation_chunks,
-)
+from rlhf_core.sft.batch import EncodedExamples, SequenceBatch, collate_sequences, encode_examples, evaluation_chunks
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout_reply_nll, perplexity
 from rlhf_core.sft.plots import CURVES_FILE, plot_sft_curves, read_history
 from rlhf_core.stages.result import StageResult, write_metrics

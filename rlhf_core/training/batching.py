@@ -121,10 +121,7 @@ class BatchPlan:
 def fixed_size_plan(num_examples: int, seed: int, micro_batch_size: int, accumulation_steps: int) -> BatchPlan:
     """A plan whose micro-batches all hold `micro_batch_size` examples."""
     return BatchPlan(
-        num_examples=num_examples,
-        seed=seed,
-        accumulation_steps=accumulation_steps,
-        micro_batch_size=micro_batch_size,
+        num_examples=num_examples, seed=seed, accumulation_steps=accumulation_steps, micro_batch_size=micro_batch_size
     )
 
 

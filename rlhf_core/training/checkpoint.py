@@ -58,11 +58,7 @@ def capture_rng_state() -> dict[str, Any]:
     """
     numpy_state = np.random.get_state(legacy=False)
     numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state(),
-    }
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

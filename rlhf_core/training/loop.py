@@ -172,10 +172,7 @@ def optimizer_step(
 
 
 def run_evaluation(
-    model: nn.Module,
-    evaluate: Callable[[nn.Module, int | None], Metrics],
-    max_batches: int | None,
-    bf16: bool,
+    model: nn.Module, evaluate: Callable[[nn.Module, int | None], Metrics], max_batches: int | None, bf16: bool
 ) -> Metrics:
     """Call `evaluate(model, max_batches)` in eval mode without gradients, then return to train mode."""
     model.eval()
@@ -260,11 +257,7 @@ def _checkpoint_due(step: int, total: int, config: LoopConfig) -> bool:
 
 
 def _checkpoint(
-    root: Path,
-    state: TrainingState,
-    update: ModelUpdate,
-    extra_state: SupportsStateDict | None,
-    config: LoopConfig,
+    root: Path, state: TrainingState, update: ModelUpdate, extra_state: SupportsStateDict | None, config: LoopConfig
 ) -> None:
     """Save `state` plus the caller's extra state, keeping the newest `keep_checkpoints`."""
     extra = extra_state.state_dict() if extra_state is not None else {}

@@ -43,11 +43,7 @@ def warmup_constant(step: int, warmup_steps: int) -> float:
 
 
 def build_scheduler(
-    optimizer: Optimizer,
-    name: ScheduleName,
-    total_steps: int,
-    warmup_ratio: float,
-    min_ratio: float,
+    optimizer: Optimizer, name: ScheduleName, total_steps: int, warmup_ratio: float, min_ratio: float
 ) -> LambdaLR:
     """Wrap the named schedule in a `LambdaLR`; warmup lasts `round(warmup_ratio * total_steps)` updates.
 

@@ -53,13 +53,7 @@ from tasks.evaluation.identical_evaluation import (
 from tasks.execution.caching import StageCachePolicy, with_cache_dir
 from tasks.execution.retries import RETRY_DELAY_SECONDS, STAGE_RETRIES, is_retryable
 from tasks.execution.transfer import download_output, join_uri, s3_client
-from tasks.stages.remote import (
-    RemoteStages,
-    StageRequest,
-    record_remote_origin,
-    run_remotely,
-    upload_inputs,
-)
+from tasks.stages.remote import RemoteStages, StageRequest, record_remote_origin, run_remotely, upload_inputs
 from tasks.stages.stage_runs import STAGE_SECTIONS, StageContext, content_hashes, tracked_training_stage
 from tasks.stages.stage_tasks import STAGE_TASK_OPTIONS, train_ppo
 from tasks.tracking.metrics_logger import MlflowLogger

@@ -135,14 +135,8 @@ def answer_form(batch: Sequence[ShownPair], total: int) -> type[RunInput]:
     fields: dict[str, Any] = {}
     for shown in batch:
         position = shown.planned.position
-        fields[choice_field(position)] = (
-            Preference,
-            Field(title=f"Pair {position}: which reply is better?"),
-        )
-        fields[comment_field(position)] = (
-            str,
-            Field("", title=f"Pair {position}: comment (optional)"),
-        )
+        fields[choice_field(position)] = (Preference, Field(title=f"Pair {position}: which reply is better?"))
+        fields[comment_field(position)] = (str, Field("", title=f"Pair {position}: comment (optional)"))
     form = create_model(FORM_NAME, __base__=RunInput, **fields)
     return form.with_initial_data(description=form_description(batch, total))
 
@@ -174,10 +168,7 @@ def ask_pairs(batch: Sequence[ShownPair], total: int, timeout_s: int, poll_inter
     Call from the flow. Raises prefect's FlowPauseTimeout when nobody answers within `timeout_s`.
     """
     filled = pause_flow_run(
-        wait_for_input=answer_form(batch, total),
-        timeout=timeout_s,
-        poll_interval=poll_interval_s,
-        key=pause_key(batch),
+        wait_for_input=answer_form(batch, total), timeout=timeout_s, poll_interval=poll_interval_s, key=pause_key(batch)
     )
     return answers_from_form(filled, batch, session=flow_run.get_id() or UNKNOWN)
 
@@ -194,11 +185,7 @@ def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgem
 
 
 def write_results(
-    session: HumanSession,
-    config: Config,
-    model_a: str,
-    model_b: str,
-    other_judges: dict[str, dict[str, Verdict]],
+    session: HumanSession, config: Config, model_a: str, model_b: str, other_judges: dict[str, dict[str, Verdict]]
 ) -> EvaluationReport:
     """verdicts.jsonl, report.json, report.md, the chart and finally metrics.json of a fully answered session.
 

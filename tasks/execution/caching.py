@@ -66,11 +66,7 @@ class StageCachePolicy(CachePolicy):
     content_inputs: tuple[str, ...] = ()
 
     def compute_key(
-        self,
-        task_ctx: TaskRunContext,
-        inputs: dict[str, Any],
-        flow_parameters: dict[str, Any],
-        **kwargs: Any,
+        self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
     ) -> str:
         """The content key; a stale record under it is deleted first, so that it is a miss."""
         if self.key_storage is None:
@@ -154,6 +150,5 @@ def with_cache_dir(stage_task: TaskT, cache_dir: Path) -> TaskT:
         raise TypeError(f"task {stage_task.name!r} has no StageCachePolicy (it has {policy!r})")
     cache_dir = Path(cache_dir).resolve()
     return stage_task.with_options(
-        cache_policy=policy.configure(key_storage=cache_dir / KEYS_SUBDIR),
-        result_storage=cache_dir / RESULTS_SUBDIR,
+        cache_policy=policy.configure(key_storage=cache_dir / KEYS_SUBDIR), result_storage=cache_dir / RESULTS_SUBDIR
     )

@@ -179,18 +179,12 @@ def train_judge_reward(config: Config, data: StageOutput, context: StageContext)
 @task(
     name="ppo",
     cache_policy=StageCachePolicy(
-        stage="ppo",
-        config_sections=STAGE_SECTIONS["ppo"],
-        content_inputs=("data", "sft_output", "reward_output"),
+        stage="ppo", config_sections=STAGE_SECTIONS["ppo"], content_inputs=("data", "sft_output", "reward_output")
     ),
     **STAGE_TASK_OPTIONS,
 )
 def ppo_task(
-    config: Config,
-    data: StageOutput,
-    sft_output: StageOutput,
-    reward_output: StageOutput,
-    context: StageContext,
+    config: Config, data: StageOutput, sft_output: StageOutput, reward_output: StageOutput, context: StageContext
 ) -> StageOutput:
     """PPO-max (rlhf_core.stages.ppo)."""
     inputs = {"data": data, "sft_output": sft_output, "reward_output": reward_output}
@@ -207,11 +201,6 @@ def train_ppo(
         dirs = {"sft_dir": sft_output.out_dir, "rm_dir": reward_output.out_dir}
         return run.finish(run_launched("ppo", config, run, data_dir=data.out_dir, **dirs))
     result = ppo.run_ppo(
-        config,
-        data.out_dir,
-        sft_output.out_dir,
-        reward_output.out_dir,
-        run.out_dir,
-        logger=run.progress_logger(),
+        config, data.out_dir, sft_output.out_dir, reward_output.out_dir, run.out_dir, logger=run.progress_logger()
     )
     return run.finish(result.model_dir)

@@ -94,11 +94,7 @@ def data_tags(source: DataSource) -> dict[str, str]:
 
 def code_tags(config: Config, code_dir: Path = CODE_DIR) -> dict[str, str]:
     """The code (the git state of `code_dir`), the dependencies and the config a run ran with."""
-    return {
-        **git_tags(code_dir),
-        DEPENDENCIES_TAG: dependency_set_sha256(),
-        CONFIG_TAG: config_sha256(config),
-    }
+    return {**git_tags(code_dir), DEPENDENCIES_TAG: dependency_set_sha256(), CONFIG_TAG: config_sha256(config)}
 
 
 def pipeline_tags(config: Config, source: DataSource, code_dir: Path = CODE_DIR) -> dict[str, str]:

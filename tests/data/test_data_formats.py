@@ -118,10 +118,7 @@ BAD_ROWS = [
     ({"prompt": 5, "chosen": "a", "rejected": "b"}, DropReason.WRONG_TYPE),
     ({"prompt": "p", "chosen": {"text": "a"}, "rejected": "b"}, DropReason.WRONG_TYPE),
     ({"prompt": None, "chosen": "a", "rejected": "b"}, DropReason.MISSING_FIELD),
-    (
-        {"chosen": hh(*SHARED, ("Assistant", "")), "rejected": hh(*SHARED, ("Assistant", "b"))},
-        DropReason.EMPTY_REPLY,
-    ),
+    ({"chosen": hh(*SHARED, ("Assistant", "")), "rejected": hh(*SHARED, ("Assistant", "b"))}, DropReason.EMPTY_REPLY),
     ({"prompt": "p", "chosen": "a", "rejected": "   "}, DropReason.EMPTY_REPLY),
     (
         {"chosen": hh(*SHARED, ("Assistant", "same")), "rejected": hh(*SHARED, ("Assistant", "same "))},
@@ -229,8 +226,7 @@ def test_prompt_id_ignores_whitespace_and_case_but_not_roles() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "named"),
-    [(3, "a number"), (2.5, "a number"), (True, "a boolean"), ({"text": "a"}, "an object")],
+    ("value", "named"), [(3, "a number"), (2.5, "a number"), (True, "a boolean"), ({"text": "a"}, "an object")]
 )
 def test_a_wrong_type_is_named_as_json_names_it(value: object, named: str) -> None:
     drop = parse_row({"prompt": "p", "chosen": "a", "rejected": value}, "in.jsonl", 1)

@@ -52,11 +52,7 @@ def good_pcr(number: int) -> dict:
 
 
 SETTINGS = DataConfig(
-    eval_fraction=0.2,
-    rm_val_fraction=0.2,
-    ppo_fraction=0.2,
-    max_total_tokens=40,
-    max_drop_fraction=0.9,
+    eval_fraction=0.2, rm_val_fraction=0.2, ppo_fraction=0.2, max_total_tokens=40, max_drop_fraction=0.9
 )
 
 # (row as a JSON line, expected reason or None when the row is kept)

@@ -27,15 +27,7 @@ from fixtures.servers import S3Server
 from rlhf_cli.data_commands import RawDataMismatchError, data_app
 from rlhf_core.data.validation import DataValidationError
 from rlhf_core.output_lock import OutputLockedError, output_lock
-from tasks.data.dvc_data import (
-    DvcError,
-    data_version,
-    dvc_add,
-    dvc_pull,
-    dvc_push,
-    run_dvc,
-    workspace_matches,
-)
+from tasks.data.dvc_data import DvcError, data_version, dvc_add, dvc_pull, dvc_push, run_dvc, workspace_matches
 
 pytestmark = pytest.mark.slow
 

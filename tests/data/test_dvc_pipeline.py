@@ -202,9 +202,7 @@ def test_every_stage_tracks_existing_sections_of_params_yaml(stages: dict[str, P
         assert "seed" in params_dep.params or name == "prepare_data"
 
 
-def test_no_stage_output_is_cached_and_everything_lies_in_the_stage_directory(
-    stages: dict[str, PipelineStage],
-) -> None:
+def test_no_stage_output_is_cached_and_everything_lies_in_the_stage_directory(stages: dict[str, PipelineStage]) -> None:
     """DVC versions the raw data only; a fresh clone has no stage output to pull."""
     for name, stage in stages.items():
         for out in stage.outs:

@@ -86,10 +86,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     assert_disjoint_shards(log.samples(), world_size=2)
     assert sorted(log.samples()) == list(range(1, total + 1))
 
-    one, two = (
-        read_history(tmp_path / "single" / "history.jsonl"),
-        read_history(tmp_path / "two" / "history.jsonl"),
-    )
+    one, two = (read_history(tmp_path / "single" / "history.jsonl"), read_history(tmp_path / "two" / "history.jsonl"))
     assert [row["step"] for row in two] == [row["step"] for row in one] == list(range(total + 1))
     for row_one, row_two in zip(one, two):
         for key in COMPARED:

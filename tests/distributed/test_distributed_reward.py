@@ -15,12 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.distributed_runs import (
-    RankLog,
-    assert_disjoint_shards,
-    assert_same_weights,
-    read_history,
-)
+from fixtures.distributed_runs import RankLog, assert_disjoint_shards, assert_same_weights, read_history
 from fixtures.servers import free_port
 from fixtures.tiny_ppo import StageInputs, tiny_config  # noqa: F401
 from rlhf_core.distributed.launcher import launch_stage
@@ -46,19 +41,13 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 ) -> None:
 
     single = run_train_rm(
-        tiny_config(*COMMON, "reward.micro_batch_size=4"),
-        inputs.data_dir,
-        inputs.sft_dir,
-        tmp_path / "single",
+        tiny_config(*COMMON, "reward.micro_batch_size=4"), inputs.data_dir, inputs.sft_dir, tmp_path / "single"
     )
 
     monkeypatch.setenv("RLHF_LOG_LEVEL", "DEBUG")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     two_ranks = tiny_config(
-        *COMMON,
-        "reward.micro_batch_size=2",
-        "distributed.num_processes=2",
-        f"distributed.master_port={free_port()}",
+        *COMMON, "reward.micro_batch_size=2", "distributed.num_processes=2", f"distributed.master_port={free_port()}"
     )
     log = RankLog()
     launch_stage("reward", two_ranks, tmp_path / "two", log, data_dir=inputs.data_dir, sft_dir=inputs.sft_dir)
@@ -67,10 +56,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     assert_disjoint_shards(log.samples(), world_size=2)
     assert sorted(log.samples()) == list(range(1, STEPS + 1))
 
-    one, two = (
-        read_history(tmp_path / "single" / "history.jsonl"),
-        read_history(tmp_path / "two" / "history.jsonl"),
-    )
+    one, two = (read_history(tmp_path / "single" / "history.jsonl"), read_history(tmp_path / "two" / "history.jsonl"))
     assert [row["step"] for row in two] == [row["step"] for row in one] == list(range(1, STEPS + 1))
     for row_one, row_two in zip(one, two):
         for key in STEP_KEYS:

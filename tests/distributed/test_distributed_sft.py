@@ -54,10 +54,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     port = free_port()
     two_ranks = tiny_config(
-        *COMMON,
-        "sft.micro_batch_size=2",
-        "distributed.num_processes=2",
-        f"distributed.master_port={port}",
+        *COMMON, "sft.micro_batch_size=2", "distributed.num_processes=2", f"distributed.master_port={port}"
     )
     log = RankLog()
     launch_stage("sft", two_ranks, tmp_path / "two", log, data_dir=data_dir)
@@ -67,10 +64,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
     assert_disjoint_shards(log.samples(), world_size=2)
     assert sorted(log.samples()) == list(range(1, STEPS + 1))
 
-    one, two = (
-        read_history(tmp_path / "single" / "history.jsonl"),
-        read_history(tmp_path / "two" / "history.jsonl"),
-    )
+    one, two = (read_history(tmp_path / "single" / "history.jsonl"), read_history(tmp_path / "two" / "history.jsonl"))
     assert [row["step"] for row in two] == [row["step"] for row in one] == list(range(1, STEPS + 1))
     for row_one, row_two in zip(one, two):
         for key in ("loss", "lr"):

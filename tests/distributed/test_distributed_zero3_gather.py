@@ -31,14 +31,7 @@ def test_one_whole_policy_gather_per_rollout_and_none_inside_generate(
     inputs: StageInputs, tmp_path: Path, engine: str
 ) -> None:
     log = RankLog()
-    args = [
-        "--data-dir",
-        str(inputs.data_dir),
-        "--sft-dir",
-        str(inputs.sft_dir),
-        "--rm-dir",
-        str(inputs.rm_dir),
-    ]
+    args = ["--data-dir", str(inputs.data_dir), "--sft-dir", str(inputs.sft_dir), "--rm-dir", str(inputs.rm_dir)]
     spec = Launch(
         module="distributed_zero3_rollout",
         args=[*args, "--rollouts", str(ROLLOUTS), "--engine", engine],

@@ -317,9 +317,7 @@ def test_stage_with_llm_judge_never_writes_or_logs_the_key(
     base_url, state = judge_server
     data_dir, model_a, model_b = write_tiny_inputs(tmp_path)
     config = load_config(
-        PARAMS,
-        overlays=[TINY],
-        overrides=["evaluation.max_prompts=3", "evaluation.generation.max_new_tokens=6"],
+        PARAMS, overlays=[TINY], overrides=["evaluation.max_prompts=3", "evaluation.generation.max_new_tokens=6"]
     )
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)

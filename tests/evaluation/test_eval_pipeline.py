@@ -20,12 +20,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from fixtures.paths import PARAMS, TINY
 from fixtures.stage_outputs import stage_output
-from fixtures.tiny_ppo import (
-    StageInputs,
-    save_rm_output,
-    tiny_config,
-    write_stage_inputs,
-)
+from fixtures.tiny_ppo import StageInputs, save_rm_output, tiny_config, write_stage_inputs
 from flows.pipeline import run_directory
 from rlhf_cli.main import main
 from rlhf_core.config import Config

@@ -42,22 +42,13 @@ from fixtures.promotion_scenario import INDEPENDENT, JUDGE, POLICY, REWARD, Scen
 from rlhf_cli.exit_codes import REFUSED_EXIT_CODE
 from rlhf_cli.main import main
 from rlhf_core.promotion.gate import NO_COLLAPSE_BOUND
-from tasks.promotion.promote_tasks import (
-    CHAMPION_ALIAS,
-    DECISION_TAG,
-    PREVIOUS_CHAMPION_TAG,
-    JudgeChoice,
-)
-from tasks.registry.registered_models import (
-    CHALLENGER_ALIAS,
-)
+from tasks.promotion.promote_tasks import CHAMPION_ALIAS, DECISION_TAG, PREVIOUS_CHAMPION_TAG, JudgeChoice
+from tasks.registry.registered_models import CHALLENGER_ALIAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_with_evidence(
-    promotion: Scenario,
-) -> None:
+def test_without_a_champion_the_challenger_is_compared_with_sft_and_promoted_with_evidence(promotion: Scenario) -> None:
     first = result(promotion, "A")
     assert (first.decision, first.challenger, first.champion_before, first.champion_after) == (
         "promoted",

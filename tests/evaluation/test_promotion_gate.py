@@ -15,11 +15,7 @@ from rlhf_core.evaluation.refusal import RefusalFigures
 from rlhf_core.promotion.evidence import IDENTICAL_MODELS, identical_models_evidence
 from rlhf_core.promotion.gate import NO_COLLAPSE_BOUND, NOT_IDENTIFIABLE, NOT_REQUIRED
 from tasks.promotion.figures import figures_against_sft
-from tasks.promotion.promote_tasks import (
-    GateCheck,
-    PromotionResult,
-    gate_checks,
-)
+from tasks.promotion.promote_tasks import GateCheck, PromotionResult, gate_checks
 
 
 def drop(figures: dict[str, float], name: str) -> dict[str, float]:

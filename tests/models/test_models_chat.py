@@ -65,9 +65,7 @@ def test_render_prompt_uses_template_with_default_system_prompt(tokenizer: PreTr
     assert render_prompt(tokenizer, DIALOGUE) == expected
 
 
-def test_render_prompt_keeps_a_given_system_prompt_instead_of_the_default(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_render_prompt_keeps_a_given_system_prompt_instead_of_the_default(tokenizer: PreTrainedTokenizerBase) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert render_prompt(tokenizer, messages) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -21,13 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTok
 from rlhf_core.config import ModelConfig
 from rlhf_core.models import gemma3, gguf_cache
 from rlhf_core.models.base import base_model_location, load_base_model
-from rlhf_core.models.chat import (
-    encode_conversation,
-    encode_prompt,
-    end_of_turn_id,
-    render_conversation,
-    render_prompt,
-)
+from rlhf_core.models.chat import encode_conversation, encode_prompt, end_of_turn_id, render_conversation, render_prompt
 
 PACKAGE_MISSING = importlib.util.find_spec(gemma3.PACKAGE_NAME) is None
 DIALOGUE = [{"role": "user", "content": "What is the capital of France?"}]

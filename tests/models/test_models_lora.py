@@ -22,20 +22,11 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from fixtures.parameters import trainable_names
-from fixtures.tiny_ppo import (  # noqa: F401
-    StageInputs,
-    tiny_config,
-    write_stage_inputs,
-)
+from fixtures.tiny_ppo import StageInputs, tiny_config, write_stage_inputs  # noqa: F401
 from rlhf_core.config import ConfigError, LoraConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
-from rlhf_core.models.lora import (
-    adapted_layer_names,
-    has_lora_adapters,
-    make_trainable,
-    merged_for_export,
-)
+from rlhf_core.models.lora import adapted_layer_names, has_lora_adapters, make_trainable, merged_for_export
 from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.ppo.scoring import RewardModelScorer
@@ -109,10 +100,7 @@ def test_only_adapters_and_scalar_heads_require_grad() -> None:
 
     reward_model = RewardModel.from_causal_lm(load_tiny_model()[0], end_of_turn_id(tokenizer), keep_lm_head=True)
     make_trainable(reward_model, None, LORA, seed=0, heads=[reward_model.score_head])
-    assert trainable_names(reward_model) == adapter_names(reward_model) | {
-        "score_head.weight",
-        "score_head.bias",
-    }
+    assert trainable_names(reward_model) == adapter_names(reward_model) | {"score_head.weight", "score_head.bias"}
     assert reward_model.lm_head is not None and not reward_model.lm_head.weight.requires_grad  # tied, frozen
 
     critic = Critic.from_causal_lm(load_tiny_model()[0])
@@ -212,10 +200,7 @@ def test_unknown_target_module_and_bad_block_count_are_named() -> None:
         ("sft.lora.target_modules=[q_proj, q_proj]", "sft.lora.target_modules: a layer name is listed twice"),
         ("sft.lora.target_modules=[model.q_proj]", "sft.lora.target_modules: expected plain layer names"),
         ("ppo.lora.rank=8", "ppo.lora.rank: unknown key; allowed keys here: alpha, dropout, enabled, r, "),
-        (
-            "ppo.frozen_models_dtype=float16",
-            "ppo.frozen_models_dtype: Input should be 'float32' or 'bfloat16'",
-        ),
+        ("ppo.frozen_models_dtype=float16", "ppo.frozen_models_dtype: Input should be 'float32' or 'bfloat16'"),
     ],
 )
 def test_config_errors_name_the_key(override: str, message: str) -> None:

@@ -25,12 +25,7 @@ from rlhf_core.ppo.scoring import RewardModelScorer, response_logprobs
 from rlhf_core.ppo.shared_trunk import SharedTrunk
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer, fit
 from rlhf_core.rollout import decode_weights
-from rlhf_core.rollout.engine import (
-    Generation,
-    HFGenerateEngine,
-    SamplingParams,
-    finish_replies,
-)
+from rlhf_core.rollout.engine import Generation, HFGenerateEngine, SamplingParams, finish_replies
 from rlhf_core.rollout.engines import make_rollout_engine
 from rlhf_core.rollout.generation import left_pad, stop_token_ids
 from rlhf_core.rollout.lean_engine import LeanEngine, logits_processors

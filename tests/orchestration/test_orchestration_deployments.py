@@ -25,14 +25,7 @@ def test_prefect_yaml_declares_exactly_the_served_deployments(declared: dict[str
     assert (
         set(declared)
         == served
-        == {
-            "rlhf-pipeline",
-            "rlhf-retrain",
-            "rlhf-promote",
-            "rlhf-human-eval",
-            "rlhf-ablation",
-            "rlhf-stage",
-        }
+        == {"rlhf-pipeline", "rlhf-retrain", "rlhf-promote", "rlhf-human-eval", "rlhf-ablation", "rlhf-stage"}
     )
 
 

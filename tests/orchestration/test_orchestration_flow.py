@@ -32,12 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def settings(data: Path, stages_wanted: list[Stage]) -> PipelineSettings:
-    return PipelineSettings(
-        config=[str(TINY)],
-        data=str(data),
-        stages=stages_wanted,
-        params_file=str(PARAMS),
-    )
+    return PipelineSettings(config=[str(TINY)], data=str(data), stages=stages_wanted, params_file=str(PARAMS))
 
 
 def task_runs_by_name(flow_run_id) -> dict[str, list]:

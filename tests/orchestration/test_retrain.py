@@ -33,13 +33,7 @@ from fixtures.pairs import write_topic_pairs
 from fixtures.project_repos import PROJECT_FILES, copy_project_files, git
 from flows.deployments import DEPLOYMENTS, runner_deployment
 from flows.pipeline import PipelineSettings
-from flows.retrain import (
-    DataVersionMismatchError,
-    RetrainResult,
-    RetrainSettings,
-    pipeline_settings,
-    rlhf_retrain,
-)
+from flows.retrain import DataVersionMismatchError, RetrainResult, RetrainSettings, pipeline_settings, rlhf_retrain
 from rlhf_cli.data_commands import data_app
 from tasks.data.data_events import DATA_PUSHED_EVENT
 from tasks.data.dvc_data import data_version, dvc_add, dvc_pull, dvc_push, run_dvc

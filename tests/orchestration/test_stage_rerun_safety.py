@@ -14,11 +14,7 @@ import pytest
 
 from fixtures.commands import RLHF_COMMAND
 from fixtures.paths import ROOT, TINY
-from fixtures.tiny_ppo import (  # noqa: F401
-    StageInputs,
-    save_sft_output,
-    tiny_config,
-)
+from fixtures.tiny_ppo import StageInputs, save_sft_output, tiny_config  # noqa: F401
 from rlhf_core.models.tiny import load_tiny_model
 from rlhf_core.stages.ppo import run_ppo
 from rlhf_core.stages.reward import run_train_rm

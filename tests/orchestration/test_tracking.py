@@ -108,11 +108,7 @@ def test_log_params_flattens_truncates_and_accepts_a_repeat(client: MlflowClient
     logger.log_params(params)  # a resumed run logs the same values again
 
     logged = client.get_run(run_id).data.params
-    assert logged == {
-        "model.kind": "tiny",
-        "model.layers": "2",
-        "prompt": "p" * (MAX_PARAM_VAL_LENGTH - 3) + "...",
-    }
+    assert logged == {"model.kind": "tiny", "model.layers": "2", "prompt": "p" * (MAX_PARAM_VAL_LENGTH - 3) + "..."}
 
 
 def test_close_leaves_the_run_open_for_its_owner(client: MlflowClient, run_id: str) -> None:

@@ -8,14 +8,7 @@ import json
 from pathlib import Path
 
 from rlhf_core.ablation.comparison import VariantFiles, read_variant
-from rlhf_core.ablation.report import (
-    COMPARISON_MD,
-    MONITORS_PNG,
-    OUTCOMES_PNG,
-    flat_rows,
-    read_rows,
-    write_report,
-)
+from rlhf_core.ablation.report import COMPARISON_MD, MONITORS_PNG, OUTCOMES_PNG, flat_rows, read_rows, write_report
 from rlhf_core.ablation.summary import signed_interval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

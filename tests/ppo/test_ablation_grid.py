@@ -89,10 +89,7 @@ def test_the_length_grid_changes_one_lever_per_variant() -> None:
     assert (
         (window.rollout.max_new_tokens, window.guard.length_window)
         == (128, 4)
-        != (
-            base.rollout.max_new_tokens,
-            base.guard.length_window,
-        )
+        != (base.rollout.max_new_tokens, base.guard.length_window)
     )
     assert by_name["ppo_max-kl0.05"].kl_coef == 0.05 != base.kl_coef
     assert by_name["ppo_max-lr2e-5"].policy_lr == 2e-5 != base.policy_lr

@@ -102,8 +102,7 @@ def test_perplexity_drop_bound() -> None:
     check_perplexity_drop(5.0, 10.0, 0.5, step=2)  # exactly a 50% drop is allowed
     check_perplexity_drop(30.0, 10.0, 0.5, step=2)  # a rise is not what this bound is about
     with pytest.raises(
-        CollapseError,
-        match=r"step 2: response perplexity 4.9 is 51.0% below .* \[bound: max_perplexity_drop\]",
+        CollapseError, match=r"step 2: response perplexity 4.9 is 51.0% below .* \[bound: max_perplexity_drop\]"
     ):
         check_perplexity_drop(4.9, 10.0, 0.5, step=2)
 
@@ -122,10 +121,7 @@ def test_guard_measures_drift_from_the_initial_policy_s_rollouts() -> None:
     guard.check(monitors(length=22.0, perplexity=11.0), step=2, initial_policy=True)
     assert (guard.baseline_rollouts, guard.start_length, guard.start_perplexity) == (2, 20.0, 10.0)
     guard.check(monitors(kl=0.4, length=29.0, perplexity=8.5), step=3, initial_policy=False)
-    assert (guard.start_length, guard.start_perplexity) == (
-        20.0,
-        10.0,
-    )  # a trained policy's rollout is no baseline
+    assert (guard.start_length, guard.start_perplexity) == (20.0, 10.0)  # a trained policy's rollout is no baseline
     with pytest.raises(CollapseError, match="step 4.*max_length_ratio"):
         guard.check(monitors(length=31.0), step=4, initial_policy=False)
     with pytest.raises(CollapseError, match="step 4.*min_length_ratio"):

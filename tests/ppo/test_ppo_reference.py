@@ -183,11 +183,7 @@ def per_row(tensor: Tensor, mask: Tensor) -> list[Tensor]:
 
 @pytest.mark.parametrize(
     "settings",
-    [
-        {"preset": "ppo_max"},
-        {"preset": "ppo_max", "max_grad_norm": 0.05, "value_clip": 0.002},
-        {"preset": "vanilla"},
-    ],
+    [{"preset": "ppo_max"}, {"preset": "ppo_max", "max_grad_norm": 0.05, "value_clip": 0.002}, {"preset": "vanilla"}],
     ids=["ppo_max", "ppo_max-tight-clipping", "vanilla"],
 )
 def test_update_equals_the_plain_reference(tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any]) -> None:

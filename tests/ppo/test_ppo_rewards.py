@@ -11,12 +11,7 @@ from fixtures.gloo_ranks import on_two_gloo_ranks
 from fixtures.masks import right_padded_mask
 from rlhf_core.distributed.collectives import gather_rows
 from rlhf_core.ppo.normalizers import RunningMeanStd
-from rlhf_core.ppo.rewards import (
-    normalize_scores,
-    remove_length_slope,
-    scale_scores,
-    token_level_rewards,
-)
+from rlhf_core.ppo.rewards import normalize_scores, remove_length_slope, scale_scores, token_level_rewards
 
 
 def running_with(mean: float, var: float) -> RunningMeanStd:

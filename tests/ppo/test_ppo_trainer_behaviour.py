@@ -146,12 +146,7 @@ def test_ppo_max_raises_the_reward_beyond_seed_noise_within_the_kl_bound(
     initial, final = [], []
     for seed in SEEDS:
         result, history = run(
-            tokenizer,
-            sft_state,
-            sft_corpus,
-            tmp_path / f"seed-{seed}",
-            seed,
-            guard={**NO_BOUNDS, "max_kl": KL_BOUND},
+            tokenizer, sft_state, sft_corpus, tmp_path / f"seed-{seed}", seed, guard={**NO_BOUNDS, "max_kl": KL_BOUND}
         )
         assert result.stop is None, result.stop
         assert max(row["kl/token_k3"] for row in history if "kl/token_k3" in row) < KL_BOUND

@@ -48,14 +48,7 @@ ALL_OUTPUTS = {
 }
 FROM_SCORES = ALL_OUTPUTS - {"kl"}
 FROM_REWARDS = FROM_SCORES - {"processed_scores"}
-FROM_ADVANTAGES = {
-    "advantages",
-    "returns",
-    "loss_advantages",
-    "policy_loss",
-    "value_loss",
-    "policy_objective",
-}
+FROM_ADVANTAGES = {"advantages", "returns", "loss_advantages", "policy_loss", "value_loss", "policy_objective"}
 POLICY_ONLY = {"loss_advantages", "policy_loss", "policy_objective"}
 
 # (switch, overrides of the ppo_max base, overrides of the toggled run, the outputs that must change)

@@ -75,16 +75,8 @@ def test_report_has_every_figure_and_they_are_positive(report: dict[str, Any]) -
 
 def test_report_states_the_settings_it_ran(report: dict[str, Any]) -> None:
     settings = report["settings"]
-    assert (settings["batch_size"], settings["prompt_length"], settings["response_length"]) == (
-        BATCH,
-        PROMPT,
-        RESPONSE,
-    )
-    assert (settings["mini_batch_size"], settings["micro_batch_size"], settings["ppo_epochs"]) == (
-        2,
-        2,
-        EPOCHS,
-    )
+    assert (settings["batch_size"], settings["prompt_length"], settings["response_length"]) == (BATCH, PROMPT, RESPONSE)
+    assert (settings["mini_batch_size"], settings["micro_batch_size"], settings["ppo_epochs"]) == (2, 2, EPOCHS)
     assert (settings["model"], settings["device"], settings["seed"]) == ("tiny", "cpu", 3)
     assert settings["stop_token"] is None and settings["ptx_coef"] == 0.0
     assert report["resolved_config"]["ppo"]["critic_pretrain_steps"] == 0

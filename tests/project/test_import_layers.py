@@ -284,5 +284,5 @@ def test_the_checker_reports_an_import_up_the_levels_of_tasks(tmp_path: Path) ->
     )
     write_module(tmp_path, "tasks/execution/caching.py", "def f():\n    from tasks.stages.stage_tasks import g\n")
     assert forbidden_imports(allowed, tmp_path) == [
-        "tasks/execution/caching.py imports tasks.stages.stage_tasks: tasks.execution may not import tasks.stages",
+        "tasks/execution/caching.py imports tasks.stages.stage_tasks: tasks.execution may not import tasks.stages"
     ]

@@ -32,63 +32,38 @@ from rlhf_core.training.checkpoint import complete_checkpoints
 from tasks.tracking.lineage import FLOW_RUN_ID_TAG
 from tasks.tracking.mlflow_runs import PARENT_RUN_TAG
 
+# Every test here needs the team stack, which starts seven services: none belongs in the fast subset.
+pytestmark = pytest.mark.slow
+
 FLOW_RUN_TIMEOUT_S = 900  # guards for a hung run, not measurements
 RESTART_TIMEOUT_S = 120
 # SFT long enough to restart the databases in the middle of it; the later stages short (as in
-# tests/test_service_outages.py).
+# tests/orchestration/test_service_outages.py).
 LONGER_SFT = ["sft.max_steps=40", "sft.checkpoint_every=2"]
 SHORTER = ["reward.max_steps=2", "ppo.steps=1", "evaluation.max_prompts=4"]
 
 
-def test_every_service_of_compose_runs_and_the_deployments_are_registered(
-    team_stack: TeamStack,
-) -> None:
+def test_every_service_of_compose_runs_and_the_deployments_are_registered(team_stack: TeamStack) -> None:
     services = team_stack.services()
-    assert set(services) == {
-        "prefect-db",
-        "prefect-server",
-        "mlflow-db",
-        "minio",
-        "mlflow",
-        "worker-cpu",
-        "worker-gpu",
-    }
+    assert set(services) == {"prefect-db", "prefect-server", "mlflow-db", "minio", "mlflow", "worker-cpu", "worker-gpu"}
     found = requests.post(
-        f"{team_stack.prefect_api_url}/deployments/filter",
-        json={},
-        auth=team_stack.prefect_auth,
-        timeout=30,
+        f"{team_stack.prefect_api_url}/deployments/filter", json={}, auth=team_stack.prefect_auth, timeout=30
     )
     assert found.status_code == 200
     assert {deployment["name"] for deployment in found.json()} == {spec.name for spec in DEPLOYMENTS}
     pools = requests.post(
-        f"{team_stack.prefect_api_url}/work_pools/filter",
-        json={},
-        auth=team_stack.prefect_auth,
-        timeout=30,
+        f"{team_stack.prefect_api_url}/work_pools/filter", json={}, auth=team_stack.prefect_auth, timeout=30
     )
-    assert {pool["name"]: pool["status"] for pool in pools.json()} == {
-        "rlhf-cpu": "READY",
-        "rlhf-gpu": "READY",
-    }
+    assert {pool["name"]: pool["status"] for pool in pools.json()} == {"rlhf-cpu": "READY", "rlhf-gpu": "READY"}
 
 
 def test_without_credentials_both_apis_refuse(team_stack: TeamStack) -> None:
     prefect = requests.post(f"{team_stack.prefect_api_url}/deployments/filter", json={}, timeout=30)
-    mlflow = requests.get(
-        f"{team_stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1",
-        timeout=30,
-    )
+    mlflow = requests.get(f"{team_stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
     wrong = requests.get(
-        f"{team_stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1",
-        auth=("admin", "wrong"),
-        timeout=30,
+        f"{team_stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", auth=("admin", "wrong"), timeout=30
     )
-    assert (prefect.status_code, mlflow.status_code, wrong.status_code) == (
-        401,
-        401,
-        401,
-    )
+    assert (prefect.status_code, mlflow.status_code, wrong.status_code) == (401, 401, 401)
 
 
 def process_environment(pid: int) -> dict[str, str]:
@@ -146,11 +121,7 @@ def pipeline_run(team_stack: TeamStack) -> PipelineRun:
     the databases and go on."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.settings import (
-        PREFECT_API_AUTH_STRING,
-        PREFECT_API_URL,
-        temporary_settings,
-    )
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     data = write_topic_pairs(team_stack.project_dir / "team-pairs.jsonl", 160)
     settings = {"config": ["configs/tiny.yaml"], "data": str(data), "overrides": LONGER_SFT + SHORTER}
@@ -217,7 +188,6 @@ def admin_mlflow(team_stack: TeamStack) -> Iterator[MlflowClient]:
         yield MlflowClient(tracking_uri=team_stack.mlflow_url)
 
 
-@pytest.mark.slow
 def test_a_pipeline_run_through_database_restarts_completes_on_the_cpu_worker_with_runs_in_postgresql_and_s3(
     team_stack: TeamStack, pipeline_run: PipelineRun
 ) -> None:
@@ -245,7 +215,6 @@ def test_a_pipeline_run_through_database_restarts_completes_on_the_cpu_worker_wi
     assert pipeline_run.stage_run_ids and any(listing.get("KeyCount", 0) for listing in stored)
 
 
-@pytest.mark.slow
 def test_a_reader_sees_the_policy_but_cannot_move_its_alias_or_register_a_version(
     team_stack: TeamStack, pipeline_run: PipelineRun
 ) -> None:
@@ -267,7 +236,6 @@ def test_a_reader_sees_the_policy_but_cannot_move_its_alias_or_register_a_versio
     assert "champion" not in {item["alias"] for item in after.json()["registered_model"].get("aliases", [])}
 
 
-@pytest.mark.slow
 def test_no_secret_is_written_to_a_log_or_a_run(team_stack: TeamStack, pipeline_run: PipelineRun) -> None:
     secrets = {value for name, value in team_stack.credentials.items() if "PASSWORD" in name or "SECRET" in name}
     secrets.add(team_stack.credentials["PREFECT_AUTH_STRING"].split(":", 1)[1])
@@ -279,7 +247,6 @@ def test_no_secret_is_written_to_a_log_or_a_run(team_stack: TeamStack, pipeline_
     assert runs and not [secret for text in written for secret in secrets if secret in text]
 
 
-@pytest.mark.slow
 def test_a_worker_killed_mid_stage_is_replaced_and_a_rerun_completes_registering_nothing_twice(
     team_stack: TeamStack, pipeline_run: PipelineRun
 ) -> None:
@@ -288,11 +255,7 @@ def test_a_worker_killed_mid_stage_is_replaced_and_a_rerun_completes_registering
     (a lease that runs out, shortened here to its minimum), completes, and registers no model twice."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.settings import (
-        PREFECT_API_AUTH_STRING,
-        PREFECT_API_URL,
-        temporary_settings,
-    )
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     data = team_stack.project_dir / "team-pairs.jsonl"
     # Another SFT length, so that SFT and what follows it are not cache hits of `pipeline_run`.

@@ -32,11 +32,7 @@ PAIRS = [
         line=2,
     ),
     PreferencePair(
-        prompt=({"role": "user", "content": "Yes or no?"},),
-        chosen="Yes.",
-        rejected="No.",
-        source="test",
-        line=3,
+        prompt=({"role": "user", "content": "Yes or no?"},), chosen="Yes.", rejected="No.", source="test", line=3
     ),
 ]
 
@@ -62,9 +58,7 @@ def test_reward_is_read_at_each_replys_own_end_of_turn(tokenizer: PreTrainedToke
             assert int(sequences.attention_mask[row, expected]) == 1
 
 
-def test_the_prompts_earlier_end_of_turn_tokens_are_not_the_reply_end(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_the_prompts_earlier_end_of_turn_tokens_are_not_the_reply_end(tokenizer: PreTrainedTokenizerBase) -> None:
     eot = end_of_turn_id(tokenizer)
     encoded = encode_pairs(tokenizer, PAIRS[:1], max_length=256)
     batch = collate_pairs(encoded.pairs, [0], tokenizer.pad_token_id)
@@ -74,9 +68,7 @@ def test_the_prompts_earlier_end_of_turn_tokens_are_not_the_reply_end(
     assert int(ends[0]) == len(encoded.pairs[0].chosen.input_ids) - 1
 
 
-def test_chosen_labels_cover_the_chosen_reply_and_rows_stay_paired(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_chosen_labels_cover_the_chosen_reply_and_rows_stay_paired(tokenizer: PreTrainedTokenizerBase) -> None:
     encoded = encode_pairs(tokenizer, PAIRS, max_length=256)
     batch = collate_pairs(encoded.pairs, [7, 3, 5], tokenizer.pad_token_id)
     assert batch.indices == (7, 3, 5)
@@ -87,9 +79,7 @@ def test_chosen_labels_cover_the_chosen_reply_and_rows_stay_paired(
         assert tokenizer.decode(rejected) == pair.rejected + "<|im_end|>"
 
 
-def test_pairs_with_a_reply_over_max_length_are_dropped_and_counted(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_pairs_with_a_reply_over_max_length_are_dropped_and_counted(tokenizer: PreTrainedTokenizerBase) -> None:
     long_reply = len(tokenizer(PAIRS[1].rejected, add_special_tokens=False)["input_ids"]) + 1
     encoded = encode_pairs(tokenizer, PAIRS, max_length=long_reply - 1)
     assert encoded.too_long == [1] and encoded.kept == [0, 2]

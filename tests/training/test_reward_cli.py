@@ -89,9 +89,7 @@ def test_train_rm_then_score_pairs(workspace: Path) -> None:
     assert (workspace / "scores" / "plots" / "reward_margin_hist.png").is_file()
     # The stage directory and its model/ are the same reward model.
     direct = score_pair_file(
-        load_config(PARAMS, [TINY]),
-        workspace / "reward" / "model",
-        str(workspace / "pairs.jsonl"),
+        load_config(PARAMS, [TINY]), workspace / "reward" / "model", str(workspace / "pairs.jsonl")
     )
     assert direct.accuracy.accuracy == pytest.approx(written["accuracy"])
 

@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 
 from fixtures.statistics_by_loop import ranks_by_loop, spearman_by_loop
-from rlhf_core.reward.length_metrics import (
-    RIDGE,
-    fit_logistic,
-    length_skill,
-    mann_whitney_auc,
-)
+from rlhf_core.reward.length_metrics import RIDGE, fit_logistic, length_skill, mann_whitney_auc
 from rlhf_core.statistics import average_ranks, spearman, wilson_interval
 
 

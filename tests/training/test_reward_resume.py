@@ -29,11 +29,7 @@ from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.tiny_ppo import write_prepared_data
 from rlhf_core.config import Config, load_config
 from rlhf_core.stages.reward import run_train_rm
-from rlhf_core.training.checkpoint import (
-    TEMPORARY_PREFIX,
-    checkpoint_step,
-    latest_checkpoint,
-)
+from rlhf_core.training.checkpoint import TEMPORARY_PREFIX, checkpoint_step, latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,17 +51,7 @@ def config() -> Config:
 
 def command(data_dir: Path, out: Path) -> list[str]:
     overrides = [arg for setting in SETTINGS for arg in ("-s", setting)]
-    return [
-        *RLHF_COMMAND,
-        "train-rm",
-        "-c",
-        str(TINY),
-        *overrides,
-        "--data-dir",
-        str(data_dir),
-        "--out",
-        str(out),
-    ]
+    return [*RLHF_COMMAND, "train-rm", "-c", str(TINY), *overrides, "--data-dir", str(data_dir), "--out", str(out)]
 
 
 class StepRecorder:

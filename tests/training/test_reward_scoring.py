@@ -92,9 +92,7 @@ def test_reply_lengths_count_the_reply_tokens_before_its_end_of_turn(
         assert side_outputs(model, hidden, batch.chosen).lengths.tolist() == expected
 
 
-def test_lm_term_equals_the_cross_entropy_of_the_models_own_logits(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_lm_term_equals_the_cross_entropy_of_the_models_own_logits(tokenizer: PreTrainedTokenizerBase) -> None:
     model = reward_model(tokenizer).eval()
     batch = collate_pairs(encode_pairs(tokenizer, PAIRS, 128).pairs, [0, 1, 2, 3], tokenizer.pad_token_id)
     chosen = batch.chosen

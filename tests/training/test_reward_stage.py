@@ -65,9 +65,7 @@ def behaviour_run(marker_data_dir: Path, tmp_path_factory: pytest.TempPathFactor
     return out, result.metrics
 
 
-def test_reward_model_learns_that_the_marker_word_is_preferred(
-    behaviour_run: tuple[Path, dict[str, float]],
-) -> None:
+def test_reward_model_learns_that_the_marker_word_is_preferred(behaviour_run: tuple[Path, dict[str, float]]) -> None:
     out, metrics = behaviour_run
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert history[0]["accuracy"] <= 0.5  # the untrained model (step 1's forward pass) prefers neither
@@ -162,14 +160,7 @@ def test_frozen_layer_cache_changes_no_number(marker_data_dir: Path, tmp_path: P
     plain = run_train_rm(
         uncapped_config(*settings, "reward.cache_frozen_layers=false"), marker_data_dir, None, tmp_path / "plain"
     )
-    for name in (
-        "val/accuracy",
-        "val/margin_mean",
-        "val/ranking_loss",
-        "val/lm_loss",
-        "train_loss",
-        "best_step",
-    ):
+    for name in ("val/accuracy", "val/margin_mean", "val/ranking_loss", "val/lm_loss", "train_loss", "best_step"):
         assert cached[name] == pytest.approx(plain.metrics[name], rel=1e-5, abs=1e-6), name
     # Weights: the two runs multiply matrices of other shapes (float rounding), and Adam turns a rounding-level
     # change of a near-zero gradient into up to a learning rate (1e-3) of update. So: every element within a
@@ -183,10 +174,7 @@ def test_frozen_layer_cache_changes_no_number(marker_data_dir: Path, tmp_path: P
 @pytest.mark.parametrize("batching", ["token_budget", "length_grouped"])
 def test_other_batchings_train(batching: str, marker_data_dir: Path, tmp_path: Path) -> None:
     config = uncapped_config(
-        "reward.init_from=base",
-        "reward.max_steps=3",
-        f"reward.batching={batching}",
-        "reward.token_budget=1200",
+        "reward.init_from=base", "reward.max_steps=3", f"reward.batching={batching}", "reward.token_budget=1200"
     )
     metrics = run_train_rm(config, marker_data_dir, None, tmp_path / "rm").metrics
     assert metrics["steps"] == 3

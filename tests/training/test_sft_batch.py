@@ -24,10 +24,7 @@ def ids_of(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_labels_are_the_last_reply_and_its_end_of_turn_only(tokenizer: PreTrainedTokenizerBase, side: str) -> None:
-    encoded = [
-        encode_conversation(tokenizer, MULTI_TURN, REPLY),
-        encode_conversation(tokenizer, SHORT, "Hello!"),
-    ]
+    encoded = [encode_conversation(tokenizer, MULTI_TURN, REPLY), encode_conversation(tokenizer, SHORT, "Hello!")]
     batch = collate_sequences(encoded, tokenizer.pad_token_id, side)
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for row, (messages, reply) in enumerate([(MULTI_TURN, REPLY), (SHORT, "Hello!")]):
@@ -45,9 +42,7 @@ def test_labels_are_the_last_reply_and_its_end_of_turn_only(tokenizer: PreTraine
         assert int(batch.attention_mask[row, :start].sum()) == prompt_length
 
 
-def test_the_earlier_assistant_turn_is_in_the_input_but_not_in_the_labels(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_the_earlier_assistant_turn_is_in_the_input_but_not_in_the_labels(tokenizer: PreTrainedTokenizerBase) -> None:
     batch = collate_sequences([encode_conversation(tokenizer, MULTI_TURN, REPLY)], tokenizer.pad_token_id)
     earlier = ids_of(tokenizer, "Paris, a city on the Seine.")
     text_ids = batch.input_ids[0].tolist()
@@ -57,10 +52,7 @@ def test_the_earlier_assistant_turn_is_in_the_input_but_not_in_the_labels(
 
 
 def test_padding_is_masked_and_never_labelled(tokenizer: PreTrainedTokenizerBase) -> None:
-    encoded = [
-        encode_conversation(tokenizer, MULTI_TURN, REPLY),
-        encode_conversation(tokenizer, SHORT, "Hey"),
-    ]
+    encoded = [encode_conversation(tokenizer, MULTI_TURN, REPLY), encode_conversation(tokenizer, SHORT, "Hey")]
     short_length = len(encoded[1].input_ids)
     right = collate_sequences(encoded, tokenizer.pad_token_id, "right")
     left = collate_sequences(encoded, tokenizer.pad_token_id, "left")
@@ -74,9 +66,7 @@ def test_padding_is_masked_and_never_labelled(tokenizer: PreTrainedTokenizerBase
     assert int(right.reply_start[1]) == encoded[1].reply_start
 
 
-def test_left_truncation_keeps_the_reply_and_drops_replies_that_cannot_fit(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_left_truncation_keeps_the_reply_and_drops_replies_that_cannot_fit(tokenizer: PreTrainedTokenizerBase) -> None:
     reply_length = len(ids_of(tokenizer, REPLY)) + 1
     examples = [(MULTI_TURN, REPLY), (SHORT, "word " * 40)]
     encoded = encode_examples(tokenizer, examples, max_length=reply_length + 6)

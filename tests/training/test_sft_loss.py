@@ -119,9 +119,7 @@ def one_step_weights(
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def test_micro_batch_1_times_4_gives_the_same_update_as_micro_batch_4(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
+def test_micro_batch_1_times_4_gives_the_same_update_as_micro_batch_4(tokenizer: PreTrainedTokenizerBase) -> None:
     whole = one_step_weights(tokenizer, micro_batch_size=4, accumulation=1)
     split = one_step_weights(tokenizer, micro_batch_size=1, accumulation=4)
     untrained = dict(build_tiny_model(tokenizer, seed=2).named_parameters())

@@ -18,12 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.paths import ROOT
-from rlhf_core.training.checkpoint import (
-    MARKER_FILE,
-    TEMPORARY_PREFIX,
-    checkpoint_step,
-    latest_checkpoint,
-)
+from rlhf_core.training.checkpoint import MARKER_FILE, TEMPORARY_PREFIX, checkpoint_step, latest_checkpoint
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
 TOTAL_STEPS = 20

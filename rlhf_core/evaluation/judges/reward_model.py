@@ -136,8 +136,7 @@ class RewardModelJudge:
         self._pairs_judged += len(pairs)
         return [
             Judgement(
-                verdict=margin_verdict(a - b, self.tie_margin),
-                detail={"score_a": a, "score_b": b, "margin": a - b},
+                verdict=margin_verdict(a - b, self.tie_margin), detail={"score_a": a, "score_b": b, "margin": a - b}
             )
             for a, b in zip(scores_a, scores_b)
         ]
