@@ -8,10 +8,13 @@ which never initialises `torch.distributed` (nor imports deepspeed).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -103,6 +106,18 @@ def leave_process_group() -> None:
         return
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def end_rank_process() -> NoReturn:
+    """End a rank that has left its group (`leave_process_group`) and written everything: flush the streams
+    and logs, then exit without the interpreter's teardown. Even after leaving the group, a rank could still
+    abort in that teardown under load ("terminate called without an active exception", SIGABRT after its
+    last line: a native thread destroyed while joinable), failing a finished stage; nothing after the last
+    line needs the teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shared_allreduce_buffer(rank: int) -> Path:

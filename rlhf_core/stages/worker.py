@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import read_yaml_mapping, validate_config
-from rlhf_core.distributed.context import leave_process_group, rank_context
+from rlhf_core.distributed.context import end_rank_process, leave_process_group, rank_context
 from rlhf_core.distributed.rank_errors import recording_rank_errors
 from rlhf_core.stages.result import StageResult
 from rlhf_core.training.host_allocator import keep_freed_memory
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         leave_process_group()
     if context.is_main:
         log.info("stage %s finished: outputs in %s", args.stage, result.out_dir)
+    end_rank_process()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from deepspeed.comm import comm as ds_comm
 from deepspeed.runtime.zero import GatheredParameters
 
 from rlhf_core.config import Config, load_config
-from rlhf_core.distributed.context import RankContext, leave_process_group, stage_context
+from rlhf_core.distributed.context import RankContext, end_rank_process, leave_process_group, stage_context
 from rlhf_core.ppo.trainer import PPOTrainer
 from rlhf_core.rollout.engine import HFGenerateEngine
 from rlhf_core.rollout.generation import generate_responses, left_pad, sampling_config
@@ -150,6 +150,7 @@ def main() -> None:
     }
     print("ZERO3 " + json.dumps(result), flush=True)
     leave_process_group()  # as the stage worker does: exiting inside the group can abort a rank
+    end_rank_process()
 
 
 if __name__ == "__main__":
