@@ -66,6 +66,7 @@ from rlhf_core.ppo.experience_maker import PPOModels
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import PPOData, PPOTrainer
 from rlhf_core.rollout.generation import left_pad
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.training.host_allocator import keep_freed_memory, tuned_environment
 from rlhf_core.training.loop import seed_everything
 
@@ -107,7 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "batch sizes, e.g. 8,16,32: replies per second against the bound (generation_bounds.py)",
     )  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only; ignored on CPU)")
+    parser.add_argument(
+        "--bf16", choices=["auto", "on", "off"], default="off", help="distributed.bf16 (default off: float32)"
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--host-allocator", choices=["tuned", "default"], default="tuned",
@@ -146,7 +149,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
         "ppo.rollout.dtype": args.rollout_dtype,
     }
     overrides = [f"{key}={value}" for key, value in options.items() if value is not None]
-    overrides += ["ppo.critic_pretrain_steps=0", f"distributed.bf16={str(args.bf16).lower()}"]
+    overrides += ["ppo.critic_pretrain_steps=0", f"distributed.bf16={args.bf16}"]
     config = load_config(PARAMS, overlays=[BENCHMARK_OVERLAY, *args.config], overrides=overrides)
     if args.scoring_batch_size is None and config.ppo.scoring_batch_size is None:
         # TRL scores the whole rollout per pass (trl_ppo_throughput.py); so does ours unless told otherwise
@@ -202,7 +205,7 @@ def benchmark_settings(
         "dtype": config.model.dtype,
         "frozen_models_dtype": ppo.frozen_models_dtype or config.model.dtype,
         "device": device.type,
-        "bf16": bool(config.distributed.bf16 and device.type == "cuda"),
+        "bf16": config.distributed.uses_bf16,
         "torch_threads": torch.get_num_threads(),
         "host_allocator": tuned_environment() if allocator_tuned else "default",
         "batch_size": ppo.rollout_batch_size,
@@ -334,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     allocator_tuned = args.host_allocator == "tuned" and keep_freed_memory()
-    config = resolve_config(args)
     device = torch.device(args.device)
+    config = resolve_precision(resolve_config(args), device, "benchmark")
     ppo = config.ppo
     tokenizer = load_base_tokenizer(config.model)
     count = ppo.rollout_batch_size * (args.warmup_iterations + args.iterations)
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         val_prompts=[prompts[0].messages, prompts[1].messages],  # the trainer needs 2; validation is not benchmarked
         ptx_examples=[(prompt.messages, prompt.reply) for prompt in prompts],
     )
-    trainer = PPOTrainer(models, tokenizer, data, ppo, config.seed, config.distributed.bf16)
+    trainer = PPOTrainer(models, tokenizer, data, ppo, config.seed, config.distributed.uses_bf16)
     trainer.maker.stop_ids = []  # no stop token: every response is exactly max_new_tokens long (module doc)
     seed_everything(config.seed)
     expected_tokens = ppo.rollout_batch_size * ppo.rollout.max_new_tokens

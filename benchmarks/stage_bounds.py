@@ -1,9 +1,10 @@
 """Each stage of a pipeline run against its own bound: its FLOPs at this machine's measured matmul rate.
 
-    python benchmarks/stage_bounds.py RUN_DIR [--eval-dir DIR] [--threads N] [--json OUT]
+    python benchmarks/stage_bounds.py RUN_DIR [--eval-dir DIR] [--threads N] [--dtype bfloat16] [--json OUT]
 
 RUN_DIR is an `rlhf run` output (data/, sft/, reward/, judge_reward/, ppo/, eval/, each with metrics.json
-and the training stages' history.params.json). The script measures the float32 matmul rate (best of
+and the training stages' history.params.json). The script measures the matmul rate in `--dtype` (float32,
+or bfloat16 for a run that computed in bf16, whose decode steps then stream half the bytes; best of
 `--repeats` 1024^3 matmuls on `--threads` threads, the stages' count; a few seconds), rebuilds each stage's
 batches from its own inputs (stage_tokens.py), counts their FLOPs from the model's config.json
 (stage_flops.py) and prints per stage: token passes (real / padded), GFLOP, the bound in minutes, the
@@ -30,6 +31,7 @@ from transformers import AutoTokenizer
 from rlhf_core.config import load_config
 
 STAGES = ("sft", "reward", "judge_reward", "ppo", "eval")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BANDWIDTH_GBS = 18.0  # one core of this EPYC streaming memory: docs/rollout-engine.md (17.7-21 GB/s)
 
 
@@ -51,10 +53,10 @@ class StageBound:
         return None if self.measured_minutes is None else self.measured_minutes - self.bound_minutes
 
 
-def matmul_gflops(threads: int, repeats: int, size: int = 1024) -> float:
-    """The best float32 rate of `repeats` size^3 matmuls on `threads` threads (after one warm-up)."""
+def matmul_gflops(threads: int, repeats: int, dtype: torch.dtype, size: int = 1024) -> float:
+    """The best rate of `repeats` size^3 matmuls in `dtype` on `threads` threads (after one warm-up)."""
     torch.set_num_threads(threads)
-    left, right = torch.randn(size, size), torch.randn(size, size)
+    left, right = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     left @ right
     best = float("inf")
     for _ in range(repeats):
@@ -112,11 +114,11 @@ def stage_works(run_dir: Path, eval_dir: Path, config: dict[str, Any]) -> dict[s
 
 
 def bounds(
-    works: dict[str, Work], shape: ModelShape, gflops: float, bandwidth_gbs: float, minutes: dict[str, float | None]
+    works: dict[str, Work], weight_bytes: int, gflops: float, bandwidth_gbs: float, minutes: dict[str, float | None]
 ) -> list[StageBound]:
-    """Each stage's bound at the rates given, beside its measured minutes."""
+    """Each stage's bound at the rates given (decode steps streaming `weight_bytes`), beside its measured minutes."""
     return [
-        StageBound(stage, work, work.bound_seconds(gflops, bandwidth_gbs, shape.weight_bytes) / 60, minutes.get(stage))
+        StageBound(stage, work, work.bound_seconds(gflops, bandwidth_gbs, weight_bytes) / 60, minutes.get(stage))
         for stage, work in works.items()
     ]
 
@@ -158,7 +160,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, action="append", default=[], help="overlay for the evaluation settings")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="matmul threads (the stages')")
     parser.add_argument("--repeats", type=int, default=20, help="matmuls measured; the best counts")
-    parser.add_argument("--gflops", type=float, help="use this float32 rate instead of measuring it")
+    parser.add_argument("--gflops", type=float, help="use this matmul rate instead of measuring it")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="the precision the run computed in (its log says)"
+    )
     parser.add_argument("--bandwidth-gbs", type=float, default=BANDWIDTH_GBS, help="memory bandwidth for decode steps")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser.parse_args(argv)
@@ -168,17 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     eval_dir = args.eval_dir or args.run_dir / "eval"
     config = load_config(Path(__file__).resolve().parents[1] / "params.yaml", args.config).model_dump(mode="json")
-    gflops = args.gflops or matmul_gflops(args.threads, args.repeats)
+    dtype = DTYPES[args.dtype]
+    gflops = args.gflops or matmul_gflops(args.threads, args.repeats, dtype)
     source = "given" if args.gflops else f"measured, best of {args.repeats} 1024^3 matmuls on {args.threads} threads"
-    print(f"float32 matmul rate {gflops:.1f} GFLOP/s ({source})", flush=True)
+    print(f"{args.dtype} matmul rate {gflops:.1f} GFLOP/s ({source})", flush=True)
     model_config = json.loads((args.run_dir / "sft" / "model" / "config.json").read_text(encoding="utf-8"))
     shape = ModelShape.from_config(model_config)
     works = stage_works(args.run_dir, eval_dir, config)
     minutes = {stage: measured_minutes(args.run_dir / stage) for stage in STAGES[:4]}
     minutes["eval"] = measured_minutes(eval_dir)
-    rows = bounds(works, shape, gflops, args.bandwidth_gbs, minutes)
+    weight_bytes = shape.weight_bytes * dtype.itemsize // 4  # the lean engine's weights are in the run's dtype
+    rows = bounds(works, weight_bytes, gflops, args.bandwidth_gbs, minutes)
     print(
-        f"decode steps at {args.bandwidth_gbs:.1f} GB/s over {shape.weight_bytes / 1e9:.3f} GB of weights; "
+        f"decode steps at {args.bandwidth_gbs:.1f} GB/s over {weight_bytes / 1e9:.3f} GB of weights; "
         f"{shape.matmul_parameters / 1e6:.1f} M matmul parameters"
     )
     print("\n".join(format_table(rows)))
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if gap is not None:
         print(f"largest remaining gap: {gap.stage}, {gap.gap_minutes:.1f} min above its bound ({gap.ratio:.1f}x)")
     if args.json:
-        figures = {"gflops": gflops, "bandwidth_gbs": args.bandwidth_gbs, "stages": [
+        figures = {"dtype": args.dtype, "gflops": gflops, "bandwidth_gbs": args.bandwidth_gbs, "stages": [
             {**asdict(row.work), "stage": row.stage, "bound_minutes": row.bound_minutes,
              "measured_minutes": row.measured_minutes} for row in rows]}  # fmt: skip
         args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")

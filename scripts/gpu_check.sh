@@ -104,7 +104,7 @@ if $dry_run; then
 else
     device=cuda
     iterations="${iterations:-5}"
-    benchmark_shape=(--model smollm2 --bf16 --warmup-iterations 1 --batch-size "$gpu_batch_size"
+    benchmark_shape=(--model smollm2 --bf16 on --warmup-iterations 1 --batch-size "$gpu_batch_size"
         --mini-batch-size "$gpu_mini_batch_size" --micro-batch-size "$gpu_mini_batch_size"
         --prompt-length "$gpu_prompt_length" --response-length "$gpu_response_length" --sweep "$gpu_sweep")
     engine_shape=("${gpu_engine_shape[@]}")
@@ -143,7 +143,7 @@ pipeline_started=$SECONDS
     env -u PREFECT_API_URL -u PREFECT_API_AUTH_STRING -u MLFLOW_TRACKING_URI \
         PREFECT_HOME="$work_dir/prefect-home" PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
         timeout --kill-after=30 "$pipeline_timeout_s" rlhf run \
-        --params "$repo/params.yaml" --config "$repo/configs/tiny.yaml" -s distributed.bf16=true \
+        --params "$repo/params.yaml" --config "$repo/configs/tiny.yaml" -s distributed.bf16=on \
         --data "$data" --runs-dir "$work_dir/runs"
 ) | tee "$work_dir/pipeline.log" || fail "tiny pipeline (log: $work_dir/pipeline.log)"
 pipeline_s=$((SECONDS - pipeline_started))

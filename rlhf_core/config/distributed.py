@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import Section
 
@@ -25,10 +25,30 @@ class DistributedConfig(Section):
         2, description="ZeRO partitions optimizer states (1), + gradients (2), + weights (3)."
     )
     offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO 2/3).")
-    bf16: bool = Field(False, description="bf16 autocast on CUDA; CPU always trains in fp32.")
+    bf16: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="bf16 autocast (fp32 master weights) for training, scoring and generation. auto: on a GPU with "
+        "bf16, on a CPU whose bf16 matmul is measurably faster (rlhf_core/bf16_probe.py); on, off: always, never.",
+    )
     config_template: str | None = Field(
         None, description="A DeepSpeed JSON template; null: infra/deepspeed/zero2.json or zero3.json."
     )
+
+    @field_validator("bf16", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        """YAML reads `on`/`off` (and older files' `true`/`false`) as booleans: take them as on and off."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+    @property
+    def uses_bf16(self) -> bool:
+        """Whether the resolved setting computes in bf16; `auto` must be resolved for the device first
+        (rlhf_core/stages/precision.py)."""
+        if self.bf16 == "auto":
+            raise ValueError("distributed.bf16 is auto: resolve it for the device first (stages/precision.py)")
+        return self.bf16 == "on"
 
     @model_validator(mode="after")
     def _launch_is_possible(self) -> DistributedConfig:

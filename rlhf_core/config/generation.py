@@ -28,8 +28,10 @@ class RolloutConfig(GenerationConfig):
     engine: Literal["hf", "lean"] = Field(
         "lean", description="hf: transformers generate; lean: the KV-cached CPU sampling loop (docs/rollout-engine.md)."
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Lean engine weights; bfloat16 samples a slightly different distribution (off-policy)."
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Lean engine weights. auto: bfloat16 when the stage computes in bf16 (distributed.bf16), else "
+        "float32 (the policy's own dtype); bfloat16 samples a bf16 rounding of the float32 policy (off-policy).",
     )
     sampler: Sampler = Field(
         "inverse_cdf",
@@ -44,8 +46,16 @@ class RolloutConfig(GenerationConfig):
         "built); onednn, torch's reordered-weight linear. bfloat16 always uses onednn.",
     )
 
+    def for_precision(self, bf16: bool) -> RolloutConfig:
+        """These settings with an `auto` dtype made concrete for a run that computes in bf16 (`bf16`) or not:
+        bfloat16 weights for the lean engine of a bf16 run, else float32 (the hf engine samples the model in
+        its own dtype). A dtype set by hand stays."""
+        if self.dtype != "auto":
+            return self
+        return self.model_copy(update={"dtype": "bfloat16" if bf16 and self.engine == "lean" else "float32"})
+
     @model_validator(mode="after")
     def _bfloat16_needs_the_lean_engine(self) -> RolloutConfig:
-        if self.engine == "hf" and self.dtype != "float32":
+        if self.engine == "hf" and self.dtype == "bfloat16":
             raise ValueError("dtype bfloat16 needs engine lean: the hf engine samples the model itself, in its dtype")
         return self

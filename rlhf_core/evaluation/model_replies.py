@@ -45,8 +45,8 @@ class ModelReplies:
 
 def replies_key(model_sha256: str, prompts: Sequence[EvalPrompt], config: Config, device: torch.device) -> str:
     """A sha256 of everything that decides a model's `ModelReplies`: the model's content, the prompts and
-    their reference replies, the sampling settings, seed and sample count, the batch size, the settings
-    of the perplexity measurement, the dtype, the device type, the CPU thread count and the torch version."""
+    their reference replies, the sampling settings, seed and sample count, the batch size, the settings of
+    the perplexity measurement, the dtype and precision, the device type, the CPU threads and torch version."""
     evaluation = config.evaluation
     identity = {
         "format": STORE_FORMAT,
@@ -58,6 +58,7 @@ def replies_key(model_sha256: str, prompts: Sequence[EvalPrompt], config: Config
         "batch_size": evaluation.batch_size,
         "perplexity": [config.sft.max_length, config.sft.micro_batch_size],
         "dtype": config.model.dtype,
+        "bf16": config.distributed.uses_bf16,
         "device": device.type,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -30,6 +30,20 @@ from rlhf_core.models.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rlhf_core.models.saving import HeadConfig, load_scalar_head_model, save_scalar_head_model
 
 
+def in_float32(head: nn.Module, hidden: Tensor) -> Tensor:
+    """`head(hidden)` in the head's own dtype, not bf16 autocast's, returned in float32 or wider: a float32
+    model's heads compute in float32 also under autocast (docs/scale-out.md, "Precision").
+
+    A head's outputs decide what must stay exact: logits make the log-probabilities of the cross-entropy,
+    the PPO ratio and the KL; scalar heads make rewards, margins and values. bf16 keeps 8 bits of mantissa,
+    so logits of 16-32 would be 0.125 apart and a score of 2 0.008 from its neighbour (judge ties, ratio
+    noise). The heads are a small share of a pass (the LM head runs on reply positions only).
+    """
+    with torch.autocast(hidden.device.type, enabled=False):
+        outputs = head(hidden.to(next(head.parameters()).dtype))
+    return outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+
+
 def new_scalar_head(backbone: PreTrainedModel, seed: int) -> nn.Linear:
     """Linear(hidden, 1) with bias, weight ~ N(0, 1/(hidden+1)) and zero bias, drawn from `seed`.
 
@@ -135,7 +149,7 @@ class RewardModel(nn.Module):
             return RewardOutput(scores=scores, lm_logits=None)
         if self.lm_head is None:
             raise ValueError("return_lm_logits=True but this reward model was built without its LM head")
-        return RewardOutput(scores=scores, lm_logits=self.lm_head(hidden))
+        return RewardOutput(scores=scores, lm_logits=in_float32(self.lm_head, hidden))
 
     def scores_from_hidden(
         self, hidden: Tensor, input_ids: Tensor, attention_mask: Tensor, reply_start: Tensor | int
@@ -148,7 +162,7 @@ class RewardModel(nn.Module):
     def scores_at_ends(self, end_hidden: Tensor, reply_tokens: Tensor) -> Tensor:
         """r(x, y) [B] from the final hidden state at each reply's end [B, H] and the reply's length in
         tokens [B]: the score head, less the length slope's share (0 unless `length_residual`)."""
-        return less_length_share(self.score_head(end_hidden).squeeze(-1), reply_tokens, self.length_slope)
+        return less_length_share(in_float32(self.score_head, end_hidden).squeeze(-1), reply_tokens, self.length_slope)
 
 
 def less_length_share(scores: Tensor, reply_tokens: Tensor, slope: float) -> Tensor:
@@ -198,4 +212,4 @@ class Critic(nn.Module):
 
     def values_from_hidden(self, hidden: Tensor) -> Tensor:
         """Values [B, T]: the value head on the final hidden states [B, T, H] at every position."""
-        return self.value_head(hidden).squeeze(-1)
+        return in_float32(self.value_head, hidden).squeeze(-1)

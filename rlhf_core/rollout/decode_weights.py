@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from rlhf_core.bf16_probe import native_bf16
 from rlhf_core.config.generation import Kernel
 from rlhf_core.rollout.blocked_linear import blocked_linear, pad_bias, to_blocks
 from rlhf_core.rollout.huge_pages import collapse_into_huge_pages
@@ -65,11 +66,6 @@ def supported(model: PreTrainedModel) -> str | None:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (only silu)"
     return None
-
-
-def native_bf16() -> bool:
-    """Whether this CPU has the instructions oneDNN's bf16 kernels need (avx512_bf16, AMX, avx_ne_convert)."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def can_reorder(device: torch.device, dtype: torch.dtype) -> bool:

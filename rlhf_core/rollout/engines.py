@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import RolloutConfig
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutEngine
-from rlhf_core.rollout.lean_engine import DTYPES, LeanEngine
+from rlhf_core.rollout.lean_engine import LeanEngine, weights_dtype
 
 
 def make_rollout_engine(
@@ -20,5 +20,5 @@ def make_rollout_engine(
     trunk's `trunk_layers`, hands back its states when it computes in the policy's dtype."""
     if settings.engine == "hf":
         return HFGenerateEngine(policy)
-    same_dtype = DTYPES[settings.dtype] == next(policy.parameters()).dtype
+    same_dtype = weights_dtype(settings, policy) == next(policy.parameters()).dtype
     return LeanEngine(policy, settings, rollout_batch_size, trunk_layers if same_dtype else None)

@@ -57,6 +57,15 @@ def logits_processors(settings: GenerationConfig) -> LogitsProcessorList:
     return processors
 
 
+def weights_dtype(settings: RolloutConfig, policy: PreTrainedModel) -> torch.dtype:
+    """The dtype `settings.dtype` names; `auto`, which a stage resolves for its precision
+    (rlhf_core/stages/precision.py), is bfloat16 for a bfloat16 policy and float32 for any other when the
+    engine is used directly (the engine computes in those two only)."""
+    if settings.dtype == "auto":
+        return torch.bfloat16 if next(policy.parameters()).dtype == torch.bfloat16 else torch.float32
+    return DTYPES[settings.dtype]
+
+
 class LeanEngine:
     """Samples from its own copy of the policy's weights (`DecoderWeights`), refreshed by `sync_weights`.
 
@@ -68,7 +77,7 @@ class LeanEngine:
     def __init__(
         self, policy: PreTrainedModel, settings: RolloutConfig, rollout_batch_size: int, trunk_layers: int | None = None
     ) -> None:
-        self.dtype = DTYPES[settings.dtype]
+        self.dtype = weights_dtype(settings, policy)
         self.weights = DecoderWeights(policy, self.dtype, rows=rollout_batch_size, kernel=settings.kernel)
         self.trunk_layers = trunk_layers
 

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from rlhf_core.models.blocks import final_hidden_states
+from rlhf_core.models.heads import in_float32
 from rlhf_core.sft.batch import IGNORE_INDEX, SequenceBatch
 
 
@@ -31,12 +32,12 @@ def reply_token_nll(lm_head: nn.Module, hidden: Tensor, labels: Tensor) -> Tenso
     """Sum over reply tokens of -log p(token | everything before it); a scalar tensor.
 
     hidden: [B, T, H] final hidden states; labels: [B, T] with IGNORE_INDEX off the reply.
-    The log-softmax runs in float32 whatever the model's dtype.
+    The head and the log-softmax run in float32 whatever the model's dtype or autocast (`in_float32`).
     """
     targets = labels[:, 1:]
     is_target = targets != IGNORE_INDEX
-    logits = lm_head(hidden[:, :-1][is_target])  # [N, V]
-    return F.cross_entropy(logits.float(), targets[is_target], reduction="sum")
+    logits = in_float32(lm_head, hidden[:, :-1][is_target])  # [N, V]
+    return F.cross_entropy(logits, targets[is_target], reduction="sum")
 
 
 def causal_lm_reply_nll(model: PreTrainedModel, batch: SequenceBatch) -> Tensor:

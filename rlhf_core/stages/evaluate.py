@@ -49,45 +49,42 @@ from rlhf_core.atomic import atomic_write_text
 from rlhf_core.config import Config
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
 from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
+from rlhf_core.evaluation.judged_pairs import GeneratedPairs, Judgements, judge_pairs, judged_pairs
 from rlhf_core.evaluation.judges.llm import LlmJudge
 from rlhf_core.evaluation.judges.llm_endpoint import LlmEndpoint
 from rlhf_core.evaluation.judges.reward_model import RewardModelJudge
-from rlhf_core.evaluation.judges.verdicts import Judge, JudgeInfo, Judgement, Verdict
+from rlhf_core.evaluation.judges.verdicts import Judge, JudgeInfo, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
 from rlhf_core.evaluation.model_dirs import REWARD_MODEL_MARKER, resolve_model_dir
 from rlhf_core.evaluation.model_replies import ModelReplies, ReplyStore, replies_key
 from rlhf_core.evaluation.outputs import (
     ANCHOR_GENERATIONS_FILE,
-    ANCHOR_VERDICTS_FILE,
     GENERATIONS_FILE,
     MATCHED_GENERATIONS_FILE,
-    MATCHED_VERDICTS_FILE,
     SAMPLE_GENERATIONS_FILE,
-    SAMPLE_VERDICTS_FILE,
-    VERDICTS_FILE,
-    GeneratedPair,
     anchor_generation_rows,
     generation_rows,
     matched_generation_rows,
     read_generations,
     read_verdicts,
     sample_generation_rows,
-    verdict_rows,
     write_jsonl,
 )
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.prompts import EvalPrompt, evaluation_prompts
-from rlhf_core.evaluation.report import EvaluationReport, JudgedPair, build_report
+from rlhf_core.evaluation.report import EvaluationReport, build_report
 from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.layout import METRICS_FILE, PLOTS_DIR
 from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.output_lock import output_lock
 from rlhf_core.stages.ppo import reward_record
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.stages.result import StageResult, write_metrics
-from rlhf_core.stages.training_run import model_dir_sha256
+from rlhf_core.stages.training_run import model_dir_sha256, training_device
 from rlhf_core.training.logger import MetricsLogger, NullLogger
+from rlhf_core.training.precision import autocast
 
 JudgeKind = Literal["rm", "llm"]
 JUDGES: tuple[str, ...] = ("rm", "llm")
@@ -261,25 +258,6 @@ def check_inputs(
     return CheckedInputs(dir_a, dir_b, prompts, endpoint, in_sample, others)
 
 
-@dataclass(frozen=True)
-class GeneratedPairs:
-    """What the judge is asked about: the main pair of each prompt, the length-matched pairs, the further
-    same-index pairs of the length-controlled win rate and its anchor pairs (B against B)."""
-
-    main: list[GeneratedPair]
-    matched: list[GeneratedPair]
-    samples: list[GeneratedPair]
-    anchors: list[GeneratedPair]
-
-    def by_prompt(self, *kinds: tuple[Sequence[GeneratedPair], Sequence[JudgedPair]]) -> list[list[JudgedPair]]:
-        """Per prompt (in the main pairs' order), its judged pairs of each of `kinds` (generated, judged) in turn."""
-        groups: dict[str, list[JudgedPair]] = {item.pair.prompt_id: [] for item in self.main}
-        for generated, judged in kinds:
-            for item, pair in zip(generated, judged, strict=True):
-                groups[item.pair.prompt_id].append(pair)
-        return list(groups.values())
-
-
 def generate_pairs(
     config: Config,
     checked: CheckedInputs,
@@ -288,11 +266,9 @@ def generate_pairs(
     logger: MetricsLogger,
     replies_dir: Path | None,
 ) -> tuple[GeneratedPairs, AlignmentTax]:
-    """Both models' replies (from the `ReplyStore` in `replies_dir` where it holds them), stored in
-    generations.jsonl, generations_matched.jsonl, generations_samples.jsonl and generations_anchors.jsonl
-    and read back (the judge
-    sees exactly what was stored), and the alignment tax: each model's perplexity on the held-out reference
-    replies."""
+    """Both models' replies (from the `ReplyStore` in `replies_dir` where it holds them), stored in the
+    generations files (module doc) and read back, so the judge sees exactly what was stored, and the
+    alignment tax: each model's perplexity on the held-out reference replies."""
     store = ReplyStore(replies_dir) if replies_dir is not None else None
     replies_a = model_replies(config, checked.dir_a, checked.prompts, device, "model A", store)
     logger.log_metrics({"progress": 0.3}, step=1)
@@ -313,49 +289,6 @@ def generate_pairs(
         anchors=read_generations(out_dir / ANCHOR_GENERATIONS_FILE),
     )
     return pairs, tax
-
-
-def judged_pairs(generated: Sequence[GeneratedPair], judgements: Sequence[Judgement]) -> list[JudgedPair]:
-    """The report's view of each judged pair."""
-    return [
-        JudgedPair(
-            item.pair.pair_key,
-            item.pair.category,
-            item.tokens_a,
-            item.tokens_b,
-            judgement.verdict,
-            judgement.score_diff,
-            judgement.score_b,
-        )
-        for item, judgement in zip(generated, judgements)
-    ]
-
-
-@dataclass(frozen=True)
-class Judgements:
-    """The judge's verdicts on each kind of pair of `GeneratedPairs`, in the same order."""
-
-    main: list[Judgement]
-    matched: list[Judgement]
-    samples: list[Judgement]
-    anchors: list[Judgement]
-
-
-def judge_pairs(judge: Judge, generated: GeneratedPairs, out_dir: Path) -> Judgements:
-    """The verdicts on the main, the length-matched, the sample and the anchor pairs, written to
-    verdicts.jsonl, verdicts_matched.jsonl, verdicts_samples.jsonl and verdicts_anchors.jsonl. One call, and
-    a pair that is both (a length-matched pair that is a prompt's main or sample pair) is judged once, so no
-    reply is scored (and no LLM request sent) twice."""
-    kinds = (generated.main, generated.matched, generated.samples, generated.anchors)
-    asked = list({item.pair.pair_key: item.pair for pairs in kinds for item in pairs}.values())
-    by_key = dict(zip([pair.pair_key for pair in asked], judge.judge(asked)))
-    judgements = Judgements(*([by_key[item.pair.pair_key] for item in pairs] for pairs in kinds))
-    name = judge.info().name
-    write_jsonl(out_dir / VERDICTS_FILE, verdict_rows(generated.main, judgements.main, name))
-    write_jsonl(out_dir / MATCHED_VERDICTS_FILE, verdict_rows(generated.matched, judgements.matched, name))
-    write_jsonl(out_dir / SAMPLE_VERDICTS_FILE, verdict_rows(generated.samples, judgements.samples, name))
-    write_jsonl(out_dir / ANCHOR_VERDICTS_FILE, verdict_rows(generated.anchors, judgements.anchors, name))
-    return judgements
 
 
 def judged_report(
@@ -390,13 +323,15 @@ def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None
 
 
 def evaluation_params(config: Config, judge: JudgeKind, model_a: Path, model_b: Path) -> dict[str, object]:
-    """What an evaluation logs as its parameters: the evaluation settings, the judge, the models, the seed."""
+    """What an evaluation logs as its parameters: the evaluation settings, the judge, the models, the seed
+    and the precision it resolved to."""
     return {
         "evaluation": config.evaluation.model_dump(mode="json"),
         "judge": judge,
         "model_a": str(model_a),
         "model_b": str(model_b),
         "seed": config.seed,
+        "bf16": config.distributed.bf16,
     }
 
 
@@ -431,15 +366,17 @@ def run_evaluate(
     logger = logger if logger is not None else NullLogger()
     with output_lock(out_dir, "evaluate"):
         checked = check_inputs(config, data_dir, model_a, model_b, judge, rm_dir, rm_in_sample, other_verdicts)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = training_device()
+        config = resolve_precision(config, device, "evaluate")
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
         logger.log_params(evaluation_params(config, judge, model_a, model_b))
         logger.log_metrics({"progress": 0.0}, step=0)
-        generated, tax = generate_pairs(config, checked, out_dir, device, logger, replies_dir)
-        cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
-        judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
-        judgements = judge_pairs(judge_impl, generated, out_dir)
+        with autocast(device, config.distributed.uses_bf16):  # sampling, perplexity and the judge's scoring
+            generated, tax = generate_pairs(config, checked, out_dir, device, logger, replies_dir)
+            cache_dir = judge_cache_dir or out_dir / JUDGE_CACHE_DIR
+            judge_impl = build_judge(config, judge, rm_dir, checked.in_sample, checked.endpoint, cache_dir, device)
+            judgements = judge_pairs(judge_impl, generated, out_dir)
         logger.log_metrics({"progress": 0.9}, step=3)
         names = names or (str(model_a), str(model_b))
         report = judged_report(config, generated, judgements, judge_impl.info(), names, tax, checked.others)

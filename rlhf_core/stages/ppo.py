@@ -71,6 +71,7 @@ from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
 from rlhf_core.ppo.validation import BEST_DIR, VALIDATED_DIR, validated_dir
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -80,6 +81,7 @@ from rlhf_core.stages.training_run import (
     record_run_inputs,
     stage_lock,
     stage_settings,
+    training_device,
 )
 from rlhf_core.training.logger import JsonlLogger, MetricsLogger, MultiLogger
 
@@ -280,6 +282,7 @@ def run_ppo(
     """
     started = time.perf_counter()
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
+    config = resolve_precision(config, training_device(), "ppo")
     with stage_lock(out_dir, "ppo"):
         trainer, inputs = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
         if not trainer.context.is_main:  # the other ranks train alongside, write nothing
@@ -296,7 +299,7 @@ def _prepare_run(
     """The trainer and the run's inputs, once the checkpoints are known to belong to them (a refusal touches
     nothing)."""
     context = stage_context(config.distributed)  # the process group before any engine can start its own
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = training_device()
     models, tokenizer = load_ppo_models(config, sft_dir, rm_dir, device)
     trainer = PPOTrainer(
         models,
@@ -304,7 +307,7 @@ def _prepare_run(
         load_ppo_data(config, data_dir),
         config.ppo,
         config.seed,
-        config.distributed.bf16,
+        config.distributed.uses_bf16,
         config.distributed,
     )
     inputs = computed_on_main(lambda: ppo_run_inputs(config, data_dir, sft_dir, rm_dir))  # hashed once, not per rank
@@ -322,7 +325,8 @@ def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: Metr
     samples = SampleTable(out_dir / SAMPLES_FILE)
     run_logger = MultiLogger([history, logger]) if logger is not None else history
     guard = config.ppo.guard.describe()  # each bound, on or off
-    run_logger.log_params({"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed, "guard": guard})
+    params = {"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed, "guard": guard}
+    run_logger.log_params({**params, "bf16": config.distributed.bf16})
     try:
         return fit(trainer, out_dir / CHECKPOINTS_DIR, run_logger, samples, progress_bar=True)
     finally:

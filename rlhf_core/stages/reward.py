@@ -66,6 +66,7 @@ from rlhf_core.reward.validation_metrics import validation_metrics
 from rlhf_core.reward.validation_table import validation_pair_rows, write_validation_pairs
 from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -85,6 +86,7 @@ from rlhf_core.statistics import length_slope
 from rlhf_core.training.batching import BatchPlan, batch_plan
 from rlhf_core.training.logger import MetricsLogger
 from rlhf_core.training.loop import TrainResult, total_steps, train
+from rlhf_core.training.precision import autocast
 
 MARGIN_PLOT = Path(PLOTS_DIR) / "reward_margin_hist.png"
 Metrics = dict[str, float]
@@ -313,6 +315,16 @@ def fit_length_residual(
     return model.length_slope
 
 
+def selected_model_figures(config: Config, run: RewardRun, model_dir: Path, out_dir: Path) -> Metrics:
+    """`final_metrics` of the selected model (its length slope fitted first under `length_residual`), in
+    the precision it was validated in."""
+    with autocast(run.device, config.distributed.uses_bf16):
+        if config.reward.length_debias == "length_residual":
+            slope = fit_length_residual(config, model_dir, run.tokenizer, run.train_pairs, run.train_cache)
+            run.run_state.values["length_slope"] = slope
+        return final_metrics(config, model_dir, run.val_batches, run.val_cache, out_dir, run.val_records, run.val_pairs)
+
+
 @dataclass(frozen=True)
 class RewardRun:
     """A reward-model run with its inputs loaded and checked and its output directory claimed: the model
@@ -379,6 +391,7 @@ def _run_train_rm(
     train_split: TrainSplit,
 ) -> StageResult:
     started = time.monotonic()
+    config = resolve_precision(config, training_device(), f"reward ({train_split})")
     settings = config.reward
     context = stage_context(config.distributed)
     run = prepare_reward_run(config, data_dir, sft_dir, out_dir, train_split, context.is_main)
@@ -396,8 +409,9 @@ def _run_train_rm(
     plan = pair_batch_plan(run.train_pairs, settings, config.seed, context.world_size)
     loop = loop_config(settings, config, "warmup_constant")
     with loop_logger(out_dir, logger, total_steps(loop, plan), context.is_main) as logger_for_loop:
+        reward, bf16 = settings.model_dump(mode="json"), config.distributed.bf16
         logger_for_loop.log_params(
-            {"reward": settings.model_dump(mode="json"), "sft_dir": str(sft_dir), "train_split": train_split}
+            {"reward": reward, "sft_dir": str(sft_dir), "train_split": train_split, "bf16": bf16}
         )
         result = train(
             run.model,
@@ -416,11 +430,8 @@ def _run_train_rm(
         )
     if not context.is_main:  # rank 0 saved the best model and writes the stage's figures
         return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=model_dir)
-    if settings.length_debias == "length_residual":
-        slope = fit_length_residual(config, model_dir, run.tokenizer, run.train_pairs, run.train_cache)
-        run.run_state.values["length_slope"] = slope
     metrics = {
-        **final_metrics(config, model_dir, run.val_batches, run.val_cache, out_dir, run.val_records, run.val_pairs),
+        **selected_model_figures(config, run, model_dir, out_dir),
         **run.run_state.values,
         **training_figures(result, run),
         "wall_seconds": time.monotonic() - started,

@@ -29,10 +29,12 @@ from rlhf_core.reward.length_metrics import LengthSkill, length_skill
 from rlhf_core.reward.metrics import PairAccuracy, pair_accuracy
 from rlhf_core.reward.plots import plot_margin_histogram
 from rlhf_core.reward.scoring import PairScores, score_pair_batches
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.stages.prepare_data import resolve_sources
 from rlhf_core.stages.result import write_metrics
 from rlhf_core.stages.reward import MARGIN_PLOT
 from rlhf_core.stages.training_run import mark_incomplete, training_device
+from rlhf_core.training.precision import autocast
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ def _score_pair_file(
 ) -> PairFileScores:
     directory = reward_model_dir(model_path)
     device = training_device()
+    bf16 = resolve_precision(config, device, "score-pairs").distributed.uses_bf16
     model = RewardModel.from_pretrained(directory, dtype=DTYPES[config.model.dtype], device=device)
     tokenizer = load_tokenizer(directory)
     pairs, dropped = read_pairs(source, config)
@@ -132,6 +135,7 @@ def _score_pair_file(
     ]
     batches = (collate_pairs([encoded.pairs[i] for i in chunk], chunk, tokenizer.pad_token_id) for chunk in chunks)
     with progress(len(encoded.pairs), "score-pairs", "pair", on_progress) as scored:
-        scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False, on_scored=scored.advance)
+        with autocast(device, bf16):
+            scores = score_pair_batches(model, batches, cache=None, with_lm_loss=False, on_scored=scored.advance)
     length = length_skill(scores.chosen, scores.rejected, *pair_reply_tokens(encoded.pairs), seed=config.seed)
     return PairFileScores(pair_accuracy(scores.margins), length, scores, dropped, len(encoded.too_long))

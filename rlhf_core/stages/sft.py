@@ -39,6 +39,7 @@ from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.sft.batch import EncodedExamples, SequenceBatch, collate_sequences, encode_examples, evaluation_chunks
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout_reply_nll, perplexity
 from rlhf_core.sft.plots import CURVES_FILE, plot_sft_curves, read_history
+from rlhf_core.stages.precision import resolve_precision
 from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -140,6 +141,7 @@ def run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger
 
 def _run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogger | None) -> StageResult:
     started = time.monotonic()
+    config = resolve_precision(config, training_device(), "sft")
     settings = config.sft
     context = stage_context(config.distributed)
     examples = load_split(data_dir, "sft")  # read the data first: a wrong path fails before any model loads
@@ -161,7 +163,7 @@ def _run_sft(config: Config, data_dir: Path, out_dir: Path, logger: MetricsLogge
     out_dir.mkdir(parents=True, exist_ok=True)
     mark_incomplete(out_dir)  # from here on this run writes: the output is not complete until it is done
     if settings.skip:
-        metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.bf16, context)
+        metrics = _hand_on_base_model(model, tokenizer, evaluate, out_dir, config.distributed.uses_bf16, context)
     else:
         if context.is_main:
             record_run_inputs(out_dir / CHECKPOINTS_DIR, inputs)
@@ -246,7 +248,7 @@ def _train(
     history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
     try:
         logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
-        logger_for_loop.log_params({"sft": settings.model_dump(mode="json")})
+        logger_for_loop.log_params({"sft": settings.model_dump(mode="json"), "bf16": config.distributed.bf16})
         result = train(
             model,
             plan,

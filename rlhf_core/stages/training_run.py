@@ -229,13 +229,13 @@ class RunState:
 
 
 def stage_settings(config: Config, section: str) -> dict[str, Any]:
-    """The config a training stage depends on: its own section, the base model, the seed, precision, and
-    the number of ranks (batch sizes are per rank, so it sets the global batch)."""
+    """The config a training stage depends on: its own section, the base model, the seed, the precision it
+    resolved to (bf16 or not), and the number of ranks (batch sizes are per rank, so it sets the global batch)."""
     return {
         section: getattr(config, section).model_dump(mode="json"),
         "model": config.model.model_dump(mode="json"),
         "seed": config.seed,
-        "bf16": config.distributed.bf16,
+        "bf16": config.distributed.uses_bf16,
         "world_size": config.distributed.world_size,
     }
 
@@ -258,12 +258,12 @@ def loop_config(
         eval_every=section.eval_every,
         eval_batches=section.eval_batches,
         seed=config.seed,
-        bf16=config.distributed.bf16,
+        bf16=config.distributed.uses_bf16,
     )
 
 
 def training_device() -> torch.device:
-    """CUDA when available (bf16 autocast applies there), else the CPU (fp32)."""
+    """CUDA when available, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

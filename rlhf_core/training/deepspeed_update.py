@@ -58,7 +58,8 @@ def initialize_engine(
 
 
 def uses_bf16(requested: bool) -> bool:
-    """DeepSpeed bf16 (bf16 weights, fp32 master copies) only on CUDA; a CPU trains in fp32."""
+    """DeepSpeed bf16 (bf16 weights, fp32 master copies) only on CUDA; CPU ranks keep float32 weights and
+    compute in bf16 through the loop's autocast, as one process does."""
     return requested and torch.cuda.is_available()
 
 

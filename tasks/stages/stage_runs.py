@@ -51,7 +51,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     # judge_config(config), whose `model` is evaluation.judge_base_model when that is set.
     "judge-reward": ("model", "reward", "distributed"),
     "ppo": ("model", "ppo", "distributed"),
-    "evaluate": ("model", "sft", "reward", "evaluation"),  # sft, reward: perplexity and RM batch sizes
+    "evaluate": ("model", "sft", "reward", "evaluation", "distributed"),  # sft, reward: perplexity and RM batch
+    # sizes; distributed: its precision (bf16)
 }
 
 

@@ -52,6 +52,7 @@ from rlhf_core.config import CollapseGuardConfig, Config, EvaluationConfig
 from rlhf_core.data.prepare import load_split
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
 from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
+from rlhf_core.evaluation.judged_pairs import judged_pairs
 from rlhf_core.evaluation.judges.reward_model import margin_verdict
 from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement
 from rlhf_core.evaluation.outputs import (
@@ -66,7 +67,7 @@ from rlhf_core.evaluation.report import JudgedPair, build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.promotion.gate import GUARD_DISABLED, NO_COLLAPSE_BOUND, gate_checks
-from rlhf_core.stages.evaluate import GENERATIONS_FILE, judged_pairs
+from rlhf_core.stages.evaluate import GENERATIONS_FILE
 from rlhf_core.stages.prepare_data import run_prepare_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
