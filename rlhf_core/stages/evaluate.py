@@ -80,7 +80,7 @@ from rlhf_core.models.base import DTYPES
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.output_lock import output_lock
 from rlhf_core.stages.ppo import reward_record
-from rlhf_core.stages.precision import resolve_precision
+from rlhf_core.stages.precision import precision_record, resolve_precision
 from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import model_dir_sha256, training_device
 from rlhf_core.training.logger import MetricsLogger, NullLogger
@@ -322,16 +322,18 @@ def write_report(report: EvaluationReport, model_a: Path, out_dir: Path) -> None
     plot_win_tie_lose(report, out_dir / PLOT_FILE)
 
 
-def evaluation_params(config: Config, judge: JudgeKind, model_a: Path, model_b: Path) -> dict[str, object]:
-    """What an evaluation logs as its parameters: the evaluation settings, the judge, the models, the seed
-    and the precision it resolved to."""
+def evaluation_params(
+    config: Config, resolved: Config, judge: JudgeKind, model_a: Path, model_b: Path
+) -> dict[str, object]:
+    """What an evaluation logs as its parameters: the evaluation settings as asked, the judge, the models, the
+    seed and the precision they resolved to (`resolved`)."""
     return {
         "evaluation": config.evaluation.model_dump(mode="json"),
         "judge": judge,
         "model_a": str(model_a),
         "model_b": str(model_b),
         "seed": config.seed,
-        "bf16": config.distributed.bf16,
+        "precision": precision_record(resolved),
     }
 
 
@@ -367,10 +369,10 @@ def run_evaluate(
     with output_lock(out_dir, "evaluate"):
         checked = check_inputs(config, data_dir, model_a, model_b, judge, rm_dir, rm_in_sample, other_verdicts)
         device = training_device()
-        config = resolve_precision(config, device, "evaluate")
+        requested, config = config, resolve_precision(config, device, "evaluate")
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / METRICS_FILE).unlink(missing_ok=True)  # incomplete until written again
-        logger.log_params(evaluation_params(config, judge, model_a, model_b))
+        logger.log_params(evaluation_params(requested, config, judge, model_a, model_b))
         logger.log_metrics({"progress": 0.0}, step=0)
         with autocast(device, config.distributed.uses_bf16):  # sampling, perplexity and the judge's scoring
             generated, tax = generate_pairs(config, checked, out_dir, device, logger, replies_dir)

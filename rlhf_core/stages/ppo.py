@@ -71,7 +71,7 @@ from rlhf_core.ppo.plots import plot_figure_4, plot_validation_gain
 from rlhf_core.ppo.scoring import RewardModelScorer
 from rlhf_core.ppo.trainer import FitResult, PPOData, PPOTrainer, fit
 from rlhf_core.ppo.validation import BEST_DIR, VALIDATED_DIR, validated_dir
-from rlhf_core.stages.precision import resolve_precision
+from rlhf_core.stages.precision import precision_record, resolve_precision
 from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -282,13 +282,13 @@ def run_ppo(
     """
     started = time.perf_counter()
     data_dir, sft_dir, rm_dir, out_dir = Path(data_dir), Path(sft_dir), Path(rm_dir), Path(out_dir)
-    config = resolve_precision(config, training_device(), "ppo")
+    resolved = resolve_precision(config, training_device(), "ppo")
     with stage_lock(out_dir, "ppo"):
-        trainer, inputs = _prepare_run(config, data_dir, sft_dir, rm_dir, out_dir)
+        trainer, inputs = _prepare_run(resolved, data_dir, sft_dir, rm_dir, out_dir)
         if not trainer.context.is_main:  # the other ranks train alongside, write nothing
             result = fit(trainer, out_dir / CHECKPOINTS_DIR)
             return StageResult(out_dir=out_dir, metrics=result.metrics, model_dir=out_dir / MODEL_DIR)
-        result = _fit_logged(trainer, config, out_dir, logger)
+        result = _fit_logged(trainer, config, precision_record(resolved), out_dir, logger)
         write_reward_record(out_dir, rm_dir, inputs.inputs[REWARD_MODEL_INPUT])  # hashed once, with the inputs
         return _write_outputs(result, trainer, sft_dir, out_dir, time.perf_counter() - started)
 
@@ -319,14 +319,17 @@ def _prepare_run(
     return trainer, inputs
 
 
-def _fit_logged(trainer: PPOTrainer, config: Config, out_dir: Path, logger: MetricsLogger | None) -> FitResult:
-    """`fit` with history.jsonl, samples.jsonl and the caller's logger (MLflow when orchestrated)."""
+def _fit_logged(
+    trainer: PPOTrainer, config: Config, precision: dict[str, str], out_dir: Path, logger: MetricsLogger | None
+) -> FitResult:
+    """`fit` with history.jsonl, samples.jsonl and the caller's logger (MLflow when orchestrated), which
+    get `config`'s settings as asked and the `precision` they resolved to."""
     history = JsonlLogger(out_dir / HISTORY_FILE)
     samples = SampleTable(out_dir / SAMPLES_FILE)
     run_logger = MultiLogger([history, logger]) if logger is not None else history
     guard = config.ppo.guard.describe()  # each bound, on or off
     params = {"ppo": config.ppo.model_dump(mode="json"), "seed": config.seed, "guard": guard}
-    run_logger.log_params({**params, "bf16": config.distributed.bf16})
+    run_logger.log_params({**params, "precision": precision})
     try:
         return fit(trainer, out_dir / CHECKPOINTS_DIR, run_logger, samples, progress_bar=True)
     finally:

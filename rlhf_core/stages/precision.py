@@ -4,7 +4,8 @@ Each stage calls `resolve_precision` first, on the device it computes on, so the
 machine (a pool's workers may differ) and everything after it reads one resolved `Config`: the training
 loop's autocast, the scoring passes, the engines' dtypes, and the run records and fingerprints, which so
 name the precision a run really used (a checkpoint written in bf16 is not resumed in float32). The
-choice and its reason are logged. How it is decided: rlhf_core/training/precision.py.
+choice and its reason are logged, and recorded with the stage's parameters (`precision_record`). How it is
+decided: rlhf_core/training/precision.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def with_precision(config: Config, bf16: bool) -> Config:
     generation = config.evaluation.generation.for_precision(bf16)
     evaluation = config.evaluation.model_copy(update={"generation": generation})
     return config.model_copy(update={"distributed": distributed, "ppo": ppo, "evaluation": evaluation})
+
+
+def precision_record(resolved: Config) -> dict[str, str]:
+    """What a stage logs of its resolved precision (under the key `precision`), beside its requested settings:
+    the MLflow run already holds those as asked (`auto`), and a logged parameter cannot change."""
+    return {
+        "bf16": resolved.distributed.bf16,
+        "ppo_rollout_dtype": resolved.ppo.rollout.dtype,
+        "evaluation_generation_dtype": resolved.evaluation.generation.dtype,
+    }
 
 
 def resolve_precision(config: Config, device: torch.device, stage: str) -> Config:

@@ -66,7 +66,7 @@ from rlhf_core.reward.validation_metrics import validation_metrics
 from rlhf_core.reward.validation_table import validation_pair_rows, write_validation_pairs
 from rlhf_core.sft.batch import evaluation_chunks
 from rlhf_core.sft.loss import count_target_tokens
-from rlhf_core.stages.precision import resolve_precision
+from rlhf_core.stages.precision import precision_record, resolve_precision
 from rlhf_core.stages.result import StageResult, read_metrics, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -409,9 +409,9 @@ def _run_train_rm(
     plan = pair_batch_plan(run.train_pairs, settings, config.seed, context.world_size)
     loop = loop_config(settings, config, "warmup_constant")
     with loop_logger(out_dir, logger, total_steps(loop, plan), context.is_main) as logger_for_loop:
-        reward, bf16 = settings.model_dump(mode="json"), config.distributed.bf16
+        reward, precision = settings.model_dump(mode="json"), precision_record(config)
         logger_for_loop.log_params(
-            {"reward": reward, "sft_dir": str(sft_dir), "train_split": train_split, "bf16": bf16}
+            {"reward": reward, "sft_dir": str(sft_dir), "train_split": train_split, "precision": precision}
         )
         result = train(
             run.model,

@@ -39,7 +39,7 @@ from rlhf_core.models.saving import save_causal_lm
 from rlhf_core.sft.batch import EncodedExamples, SequenceBatch, collate_sequences, encode_examples, evaluation_chunks
 from rlhf_core.sft.loss import causal_lm_reply_nll, count_target_tokens, heldout_reply_nll, perplexity
 from rlhf_core.sft.plots import CURVES_FILE, plot_sft_curves, read_history
-from rlhf_core.stages.precision import resolve_precision
+from rlhf_core.stages.precision import precision_record, resolve_precision
 from rlhf_core.stages.result import StageResult, write_metrics
 from rlhf_core.stages.training_run import (
     RunInputs,
@@ -248,7 +248,7 @@ def _train(
     history = JsonlLogger(out_dir / HISTORY_FILE) if context.is_main else None
     try:
         logger_for_loop = stage_logger(history, logger, total_steps(loop, plan)) if history else NullLogger()
-        logger_for_loop.log_params({"sft": settings.model_dump(mode="json"), "bf16": config.distributed.bf16})
+        logger_for_loop.log_params({"sft": settings.model_dump(mode="json"), "precision": precision_record(config)})
         result = train(
             model,
             plan,
