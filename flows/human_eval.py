@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, batches, open_session
 from rlhf_core.evaluation.outputs import read_verdicts
+from rlhf_core.form_order import number_fields
 from tasks.evaluation.human_eval import ask_pairs, generate_pairs_task, report_task
 
 DEFAULT_PAUSE_TIMEOUT_S = 24 * 3600
@@ -70,7 +71,7 @@ class HumanEvalSettings(BaseModel):
     empty). With `generations`, `model_a` and `model_b` are only the names the report shows.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=number_fields)
 
     out_dir: str = Field(description="The session directory (answers, plan, report); run again on it to resume.")
     generations: str | None = Field(
