@@ -11,6 +11,7 @@ Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repos
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,24 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from fixtures.tiny_ppo import hh_pair, write_prepared_data
 
     return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
+
+
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite MLflow store with MLflow's tables created, once per session: creating them runs MLflow's
+    migrations, a second or more of CPU and many small synced writes per store. `mlflow_db` copies it."""
+    from mlflow import MlflowClient  # imported here: MLflow costs seconds to import
+
+    path = tmp_path_factory.mktemp("empty-mlflow") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_db(empty_mlflow_db: Path, tmp_path: Path) -> str:
+    """The URI of a fresh SQLite MLflow store at `tmp_path / "mlflow.db"`: a copy of the empty one."""
+    shutil.copyfile(empty_mlflow_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
 @pytest.fixture
