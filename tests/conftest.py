@@ -11,6 +11,7 @@ Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repos
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,21 +47,46 @@ def tokenizer() -> PreTrainedTokenizerBase:
     return load_smollm2_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def built_inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+    """The tiny stage inputs, built once for the whole session: `inputs` and `data_dir` hand each module a
+    copy, which costs a file copy instead of a data preparation and two model builds."""
+    from fixtures.tiny_ppo import write_stage_inputs  # imported here: only sessions that use it pay for it
+
+    return write_stage_inputs(tmp_path_factory.mktemp("built-inputs"))
+
+
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
-    """What `rlhf ppo` reads (prepared data, tiny SFT and reward-model outputs), built once per module: the
-    SFT and reward-model stages are not run."""
-    from fixtures.tiny_ppo import write_stage_inputs  # imported here: only modules that use it pay for it
+def inputs(built_inputs: StageInputs, tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+    """What `rlhf ppo` reads (prepared data, tiny SFT and reward-model outputs; the SFT and reward-model
+    stages are not run), a copy per module, so that no module sees another's changes to it."""
+    from fixtures.tiny_ppo import copy_stage_inputs
 
-    return write_stage_inputs(tmp_path_factory.mktemp("inputs"))
+    return copy_stage_inputs(built_inputs, tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), once per module."""
-    from fixtures.tiny_ppo import hh_pair, write_prepared_data
+def data_dir(built_inputs: StageInputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 HH-style pairs prepared with the tiny config (what `inputs.data_dir` holds), a copy per module."""
+    return Path(shutil.copytree(built_inputs.data_dir, tmp_path_factory.mktemp("data") / "data"))
 
-    return write_prepared_data(tmp_path_factory.mktemp("data"), [hh_pair(i) for i in range(80)])
+
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite MLflow store with MLflow's tables created, once per session: creating them runs MLflow's
+    migrations, a second or more of CPU and many small synced writes per store. `mlflow_db` copies it."""
+    from mlflow import MlflowClient  # imported here: MLflow costs seconds to import
+
+    path = tmp_path_factory.mktemp("empty-mlflow") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_db(empty_mlflow_db: Path, tmp_path: Path) -> str:
+    """The URI of a fresh SQLite MLflow store at `tmp_path / "mlflow.db"`: a copy of the empty one."""
+    shutil.copyfile(empty_mlflow_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
 @pytest.fixture

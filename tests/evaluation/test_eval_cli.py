@@ -96,9 +96,13 @@ EVAL_FILES = {
 PREFERENCE = {"A": 1.0, "tie": 0.5, "B": 0.0}
 
 
-def eval_tiny(rlhf, eval_inputs: dict[str, Path], out: Path, *options: str) -> tuple[int, str, str]:
-    """`rlhf eval` of the tiny PPO output against its SFT model on 6 prompts of at most 6 tokens."""
-    models = ["--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["sft"]), "--rm-dir", str(eval_inputs["reward"])]
+def eval_tiny(
+    rlhf, eval_inputs: dict[str, Path], out: Path, *options: str, a: Path | None = None, b: Path | None = None
+) -> tuple[int, str, str]:
+    """`rlhf eval` of model `a` (default: the tiny PPO output) against `b` (default: its SFT model), judged
+    by the tiny reward model, on 6 prompts of at most 6 tokens."""
+    a, b = a or eval_inputs["ppo"], b or eval_inputs["sft"]
+    models = ["--a", str(a), "--b", str(b), "--rm-dir", str(eval_inputs["reward"])]
     settings = ["-s", "evaluation.max_prompts=6", "-s", "evaluation.generation.max_new_tokens=6"]
     data = ["--data-dir", str(eval_inputs["data"]), "-c", str(TINY)]
     return rlhf("eval", *models, *data, *settings, *options, "--out", str(out))
@@ -259,21 +263,7 @@ def test_an_unfinished_model_is_refused(rlhf, eval_inputs, tmp_path: Path) -> No
     unfinished = tmp_path / "ppo"
     (unfinished / "model").mkdir(parents=True)
     (unfinished / "model" / "config.json").write_text("{}")
-    status, _, stderr = rlhf(
-        "eval",
-        "--a",
-        str(unfinished),
-        "--b",
-        str(eval_inputs["sft"]),
-        "--rm-dir",
-        str(eval_inputs["reward"]),
-        "--data-dir",
-        str(eval_inputs["data"]),
-        "-c",
-        str(TINY),
-        "--out",
-        str(tmp_path / "eval"),
-    )
+    status, _, stderr = eval_tiny(rlhf, eval_inputs, tmp_path / "eval", a=unfinished)
     assert status == 1
     assert "unfinished stage output" in stderr
 
@@ -281,37 +271,13 @@ def test_an_unfinished_model_is_refused(rlhf, eval_inputs, tmp_path: Path) -> No
 def test_a_model_against_itself_is_refused_by_content_unless_allowed(rlhf, eval_inputs, tmp_path: Path) -> None:
     """The stage output and its model directory are one model: refused (every pair would tie), before any work;
     `--allow-same` evaluates them anyway, with a warning, and every pair is a tie."""
-    common = (
-        "--rm-dir",
-        str(eval_inputs["reward"]),
-        "--data-dir",
-        str(eval_inputs["data"]),
-        "-c",
-        str(TINY),
-        "-s",
-        "evaluation.max_prompts=4",
-        "-s",
-        "evaluation.generation.max_new_tokens=4",
-    )
     out = tmp_path / "eval"
-    status, _, stderr = rlhf(
-        "eval", "--a", str(eval_inputs["ppo"]), "--b", str(eval_inputs["ppo"] / "model"), *common, "--out", str(out)
-    )
+    status, _, stderr = eval_tiny(rlhf, eval_inputs, out, b=eval_inputs["ppo"] / "model")
     assert status == REFUSED_EXIT_CODE
     assert "model A and model B are the same model" in stderr and "--allow-same" in stderr
     assert not out.exists()
 
-    status, stdout, stderr = rlhf(
-        "eval",
-        "--a",
-        str(eval_inputs["ppo"]),
-        "--b",
-        str(eval_inputs["ppo"]),
-        "--allow-same",
-        *common,
-        "--out",
-        str(out),
-    )
+    status, _, stderr = eval_tiny(rlhf, eval_inputs, out, "--allow-same", b=eval_inputs["ppo"])
     assert status == 0, stderr
     (warning,) = [line for line in stderr.splitlines() if line.startswith("warning:")]
     assert "model A and model B are the same model" in warning and "evaluating anyway (--allow-same)" in warning

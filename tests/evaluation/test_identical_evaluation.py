@@ -41,9 +41,9 @@ def start_handed_on(inputs: StageInputs, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture
-def context(tmp_path: Path) -> StageContext:
+def context(mlflow_db: str, tmp_path: Path) -> StageContext:
     """A run directory and an MLflow parent run in a SQLite store under `tmp_path`."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_db
     client = MlflowClient(uri)
     experiment_id = client.create_experiment("identical-evaluation")
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id

@@ -22,16 +22,16 @@ bias on some tokens' logits (`tilted`). The judges are rules, so what they pay f
   answers, and its replies cut or padded).
 The PPO run's figures are given (a run of the default guard, or of none, that the guard did not stop).
 
-The edges of the length-controlled win rate, with the anchor rows of the eval stage (the baseline's i-th
-reply against its (i+1)-th, judged too; length_control.py): the baseline is the tiny SFT model with its
-end-of-turn token made likelier (`BASELINE_EOT_BIAS`), so its replies vary in length below the cap, and
-each model answers every prompt `SAMPLES` times (A's i-th reply against B's i-th, as the stage pairs them):
-- the baseline's own replies cut to 0.75 and to 0.9 of their length (inside the length band), judged by
-  the shorter-is-better judge, and padded to 1.3x (their own first tokens again), judged by a
-  longer-is-better one, must fail the gate on the length-controlled check;
+The edges of the length-controlled win rate (slow; the same edges on synthetic verdicts are fast tests in
+test_eval_length_control.py), with the eval stage's anchor rows (the baseline's i-th reply against its
+(i+1)-th): the baseline is the tiny SFT model with its end-of-turn token made likelier (`BASELINE_EOT_BIAS`),
+so its replies vary in length below the cap; each model answers every prompt `SAMPLES` times (A's i-th
+reply against B's i-th, as the stage pairs them):
+- the baseline's replies cut to 0.75 and 0.9 of their length (inside the length band), judged by the
+  shorter-is-better judge, and padded to 1.3x (their own first tokens again), judged by a longer-is-better
+  one, must fail the gate on the length-controlled check;
 - the better policy (a little longer than the baseline as it answers), its replies as they are and cut to
-  0.7 (shorter than the baseline's; cutting hardly changes the share of preferred words), must still
-  pass it.
+  0.7 (shorter than the baseline's; cutting hardly changes the share of preferred words), must pass it.
 """
 
 from __future__ import annotations
@@ -323,14 +323,21 @@ def collapsed_answers(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> t
 
 
 @pytest.fixture(scope="module")
-def baseline(
-    setting: Setting, tokenizer: PreTrainedTokenizerBase
-) -> tuple[PreTrainedModel, tuple[list[list[Reply]], float]]:
-    """The baseline of the length-controlled controls: the SFT model with replies of spread lengths, and its
-    `SAMPLES` answers to each prompt."""
+def baseline(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> tuple[list[list[Reply]], float]:
+    """The `SAMPLES` answers to each prompt of the baseline of the length-controlled controls: the SFT model
+    with replies of spread lengths."""
     model = tilted(setting.sft, {end_of_turn_id(tokenizer): BASELINE_EOT_BIAS})
     replies, perplexity = sampled_answers(setting.config, model, tokenizer, setting.prompts)
-    return model, (scaled(replies, 1.0, tokenizer), perplexity)
+    return scaled(replies, 1.0, tokenizer), perplexity
+
+
+@pytest.fixture(scope="module")
+def better_answers(setting: Setting, tokenizer: PreTrainedTokenizerBase) -> tuple[list[list[Reply]], float]:
+    """The better policy's `SAMPLES` answers to each prompt (seeded): the SFT model moved toward the preferred
+    words, its end-of-turn token made likelier as the baseline's is (replies of about the baseline's length)."""
+    eot = end_of_turn_id(tokenizer)
+    biases = {**dict.fromkeys(sorted(setting.preferred), PREFERRED_WORDS_BIAS), eot: BASELINE_EOT_BIAS}
+    return sampled_answers(setting.config, tilted(setting.sft, biases), tokenizer, setting.prompts)
 
 
 # ---- the controls
@@ -384,7 +391,7 @@ def test_a_collapsed_run_with_the_guard_off_fails_the_gate_shown_as_guard_disabl
     assert not checks["length_ratio"].passed, described
 
 
-# ---- the length-controlled win rate at its edges
+# ---- the length-controlled win rate at its edges (slow: see the module's docstring)
 
 
 def lc_control_checks(setting: Setting, a, b, judge: RuleJudge, tmp_path: Path) -> tuple[dict[str, float], dict]:
@@ -392,17 +399,19 @@ def lc_control_checks(setting: Setting, a, b, judge: RuleJudge, tmp_path: Path) 
     return evaluation, {check.name: check for check in gate_checks(setting.config.promotion, evaluation, GUARDED_RUN)}
 
 
+@pytest.mark.slow
 def test_the_baseline_has_the_length_spread_its_anchor_pairs_need(baseline) -> None:
-    _, (samples, _) = baseline
+    samples, _ = baseline
     tokens = np.array([[reply.tokens for reply in group] for group in samples])
     assert len(samples[0]) == SAMPLES and tokens.std() > 3 and (tokens < 24).mean() > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.75, 0.9])
 def test_the_baseline_cut_short_and_judged_by_brevity_fails_on_the_length_controlled_check(
     setting: Setting, baseline, tokenizer, fraction: float, tmp_path: Path
 ) -> None:
-    _, answers_b = baseline
+    answers_b = baseline
     cut_answers = (scaled(answers_b[0], fraction, tokenizer), answers_b[1])  # the baseline itself: no tax
     judge = brevity_judge(tokenizer, SHARP_JUDGE_NOISE)
     evaluation, checks = lc_control_checks(setting, cut_answers, answers_b, judge, tmp_path)
@@ -413,10 +422,11 @@ def test_the_baseline_cut_short_and_judged_by_brevity_fails_on_the_length_contro
     assert evaluation["lc_anchor_pairs"] > 0
 
 
+@pytest.mark.slow
 def test_the_baseline_padded_and_judged_by_verbosity_fails_on_the_length_controlled_check(
     setting: Setting, baseline, tokenizer, tmp_path: Path
 ) -> None:
-    _, answers_b = baseline
+    answers_b = baseline
     padded = (scaled(answers_b[0], 1.3, tokenizer), answers_b[1])
     evaluation, checks = lc_control_checks(setting, padded, answers_b, verbosity_judge(tokenizer), tmp_path)
     described = [check.describe() for check in checks.values()]
@@ -424,15 +434,14 @@ def test_the_baseline_padded_and_judged_by_verbosity_fails_on_the_length_control
     assert not checks["lc_win_rate_low"].passed, described
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("factor", "longer"), [(0.7, False), (1.0, True)])
 def test_a_genuinely_better_policy_passes_the_gate_shorter_or_longer(
-    setting: Setting, baseline, tokenizer, factor: float, longer: bool, tmp_path: Path
+    setting: Setting, baseline, better_answers, tokenizer, factor: float, longer: bool, tmp_path: Path
 ) -> None:
     """As it answers, the better policy is a little longer than the baseline; cut to 0.7, shorter."""
-    _, answers_b = baseline
-    eot = end_of_turn_id(tokenizer)  # made likelier as the baseline's is: replies of about its length
-    biases = {**dict.fromkeys(sorted(setting.preferred), PREFERRED_WORDS_BIAS), eot: BASELINE_EOT_BIAS}
-    replies, perplexity = sampled_answers(setting.config, tilted(setting.sft, biases), tokenizer, setting.prompts)
+    answers_b = baseline
+    replies, perplexity = better_answers
     moved = (scaled(replies, factor, tokenizer), perplexity)  # 1.0: re-counted as the judge counts
     judge = vocabulary_judge(tokenizer, setting.preferred)
     evaluation, checks = lc_control_checks(setting, moved, answers_b, judge, tmp_path)

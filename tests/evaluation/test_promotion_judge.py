@@ -93,9 +93,9 @@ def test_an_in_sample_judge_is_flagged_in_the_decision_and_its_tags() -> None:
     assert "IN-SAMPLE" not in independent.markdown()
 
 
-def test_candidates_from_a_local_sqlite_store(tmp_path: Path) -> None:
+def test_candidates_from_a_local_sqlite_store(mlflow_db: str, tmp_path: Path) -> None:
     """A local SQLite MLflow store answers alias versions as ints (a tracking server as strings)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_db
     client = MlflowClient(uri)
     config = tiny_config()
     name = config.tracking.policy_model_name

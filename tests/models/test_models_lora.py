@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from fixtures.parameters import trainable_names
-from fixtures.tiny_ppo import StageInputs, tiny_config, write_stage_inputs  # noqa: F401
+from fixtures.tiny_ppo import StageInputs, tiny_config
 from rlhf_core.config import ConfigError, LoraConfig
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.heads import Critic, RewardModel
@@ -241,10 +241,9 @@ PPO_LORA = ("ppo.lora.enabled=true",)
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
+def pipeline(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> StageInputs:
     """Uninterrupted LoRA runs of SFT, the reward model (from that SFT) and PPO (from both)."""
     root = tmp_path_factory.mktemp("lora")
-    data_dir = write_stage_inputs(tmp_path_factory.mktemp("inputs")).data_dir
     run_sft(tiny_config(*SFT_LORA), data_dir, root / "sft")
     run_train_rm(tiny_config(*RM_LORA), data_dir, root / "sft", root / "reward")
     run_ppo(tiny_config(*PPO_LORA), data_dir, root / "sft", root / "reward", root / "ppo")
@@ -333,8 +332,7 @@ def dtypes(model: nn.Module) -> set[torch.dtype]:
     return {parameter.dtype for parameter in model.parameters()}
 
 
-def test_frozen_models_in_bf16_stay_close_to_fp32_and_the_ppo_step_runs(tmp_path: Path) -> None:
-    inputs = write_stage_inputs(tmp_path)
+def test_frozen_models_in_bf16_stay_close_to_fp32_and_the_ppo_step_runs(inputs: StageInputs) -> None:
     cpu = torch.device("cpu")
     trainers = {}
     for dtype in ("float32", "bfloat16"):

@@ -1,6 +1,8 @@
 """The packaged SmolLM2: GGUF -> safetensors cache conversion, and that the result is the real chat model.
 
-The GGUF is read once per module (~20-40 s on 2 CPUs) and converted into a temporary cache directory.
+The conversion tests read the GGUF once per module (~20-40 s on 2 CPUs: slow) and convert it into a
+temporary cache directory. The others load the user's cache as every command does (`cached`; the suite's
+tokenizer fixture has converted it already, or converts it on a fresh machine).
 """
 
 from __future__ import annotations
@@ -45,8 +47,13 @@ def cache_dir(
 
 
 @pytest.fixture(scope="module")
-def cached(cache_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def converted(cache_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return smollm2.load_smollm2(cache_dir)
+
+
+@pytest.fixture(scope="module")
+def cached() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return smollm2.load_smollm2()
 
 
 def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str) -> float:
@@ -58,8 +65,9 @@ def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text:
     return math.exp(sum(nll) / len(nll))
 
 
-def test_cached_copy_gives_the_gguf_logits(gguf_loaded, cached) -> None:
-    (gguf_model, tokenizer), (cached_model, _) = gguf_loaded, cached
+@pytest.mark.slow
+def test_cached_copy_gives_the_gguf_logits(gguf_loaded, converted) -> None:
+    (gguf_model, tokenizer), (cached_model, _) = gguf_loaded, converted
     ids = torch.tensor([tokenizer(PARAGRAPH, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         expected, actual = gguf_model(ids).logits, cached_model(ids).logits
@@ -67,6 +75,7 @@ def test_cached_copy_gives_the_gguf_logits(gguf_loaded, cached) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cache_is_plain_safetensors_with_a_marker(cache_dir: Path) -> None:
     names = {path.name for path in cache_dir.iterdir()}
     assert "model.safetensors" in names and gguf_cache.MARKER_FILE in names
@@ -76,8 +85,9 @@ def test_cache_is_plain_safetensors_with_a_marker(cache_dir: Path) -> None:
     assert [path.name for path in cache_dir.parent.iterdir()] == [cache_dir.name]  # no temp dir left behind
 
 
-def test_cached_tokenizer_matches_the_gguf_tokenizer(gguf_loaded, cached) -> None:
-    (_, gguf_tokenizer), (_, cached_tokenizer) = gguf_loaded, cached
+@pytest.mark.slow
+def test_cached_tokenizer_matches_the_gguf_tokenizer(gguf_loaded, converted) -> None:
+    (_, gguf_tokenizer), (_, cached_tokenizer) = gguf_loaded, converted
     assert cached_tokenizer.chat_template == gguf_tokenizer.chat_template
     assert render_prompt(cached_tokenizer, DIALOGUE) == render_prompt(gguf_tokenizer, DIALOGUE)
     assert cached_tokenizer(PARAGRAPH)["input_ids"] == gguf_tokenizer(PARAGRAPH)["input_ids"]
@@ -85,7 +95,8 @@ def test_cached_tokenizer_matches_the_gguf_tokenizer(gguf_loaded, cached) -> Non
     assert encode_conversation(cached_tokenizer, DIALOGUE, "Paris.") == expected
 
 
-def test_second_load_never_opens_the_gguf(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_load_never_opens_the_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache_dir = smollm2.ensure_smollm2_cache()  # converted before the spies are set, if it is not yet
     gguf_path = tmp_path / smollm2.GGUF_FILE_NAME
     gguf_path.write_bytes(b"")
     opened: list[str] = []
@@ -112,6 +123,7 @@ def test_second_load_never_opens_the_gguf(cache_dir: Path, tmp_path: Path, monke
     assert opened == [str(gguf_path)]
 
 
+@pytest.mark.slow  # it writes the GGUF's model; a complete cache is never converted again: the test above
 def test_ensure_converts_once_into_an_empty_directory(
     gguf_loaded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -167,12 +179,12 @@ def test_greedy_chat_turn_stops_at_end_of_turn(cached) -> None:
         assert new_ids[-1] == eot and eot not in new_ids[:-1]
 
 
-def test_tiny_model_renders_chats_exactly_like_the_real_model(gguf_loaded, cached, cache_dir: Path) -> None:
-    (_, gguf_tokenizer), (real_model, real_tokenizer) = gguf_loaded, cached
-    tiny_model, tiny_tokenizer = load_tiny_model(cache_dir)
-    assert tiny_model.config.vocab_size == real_model.config.vocab_size == len(gguf_tokenizer)
+def test_tiny_model_renders_chats_exactly_like_the_real_model(cached) -> None:
+    """Against the cached real model's tokenizer, which the slow conversion tests hold to the GGUF's."""
+    real_model, real_tokenizer = cached
+    tiny_model, tiny_tokenizer = load_tiny_model()
+    assert tiny_model.config.vocab_size == real_model.config.vocab_size == len(real_tokenizer)
     assert tiny_model.generation_config.eos_token_id == real_model.generation_config.eos_token_id
-    for tokenizer in (real_tokenizer, gguf_tokenizer):
-        assert render_prompt(tiny_tokenizer, DIALOGUE) == render_prompt(tokenizer, DIALOGUE)
-        expected = encode_conversation(tokenizer, DIALOGUE, "Rome.")
-        assert encode_conversation(tiny_tokenizer, DIALOGUE, "Rome.") == expected
+    assert render_prompt(tiny_tokenizer, DIALOGUE) == render_prompt(real_tokenizer, DIALOGUE)
+    expected = encode_conversation(real_tokenizer, DIALOGUE, "Rome.")
+    assert encode_conversation(tiny_tokenizer, DIALOGUE, "Rome.") == expected

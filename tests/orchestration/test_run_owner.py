@@ -26,9 +26,9 @@ with stage_run(target, "sft", {"seed": 0}, {}) as run_id:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> tuple[MlflowClient, str]:
+def store(mlflow_db: str, tmp_path: Path) -> tuple[MlflowClient, str]:
     """A SQLite tracking store and an experiment in it."""
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(mlflow_db)
     return client, get_or_create_experiment(client, "orphans", local_artifact_location(client.tracking_uri, tmp_path))
 
 

@@ -1,5 +1,6 @@
 """Unit tests of tasks/tracking/metrics_logger.py against an embedded SQLite tracking store (no server)."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,9 @@ def project_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(project_dir: Path) -> MlflowClient:
-    """One SQLite store for the module: creating its tables takes a couple of seconds."""
+def client(project_dir: Path, empty_mlflow_db: Path) -> MlflowClient:
+    """One SQLite store for the module, a copy of the session's empty one (creating its tables takes seconds)."""
+    shutil.copyfile(empty_mlflow_db, project_dir / "mlflow.db")
     return MlflowClient(f"sqlite:///{project_dir / 'mlflow.db'}")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT
 from mlflow.utils.logging_utils import eprint
 from prefect.logging.configuration import ensure_logging_setup
 
@@ -102,6 +103,20 @@ def test_library_messages_go_to_the_file_and_ours_stay_on_the_terminal(
     assert "Successfully registered" not in captured.err + captured.out
 
 
+def test_a_command_switches_mlflow_s_run_links_off_unless_the_user_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch MLflow itself reads before printing a run's links is on inside a command's block; a user's
+    own setting of it stays. (The next test sees MLflow honour it on a real server.)"""
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)  # restored after the test
+    with library_log(run_log_path(tmp_path / "runs")):
+        assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is True
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
+    with library_log(run_log_path(tmp_path / "runs")):
+        assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is False
+
+
+@pytest.mark.slow  # the session's S3 and MLflow servers, which no other fast test starts
 def test_runs_ending_on_a_tracking_server_print_no_links_on_stdout(
     mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from fixtures.parameters import small_llama
 from rlhf_core.training import checkpoint
 from rlhf_core.training.checkpoint import (
     MARKER_FILE,
@@ -112,24 +112,11 @@ def test_rotation_keeps_the_newest_k(tmp_path: Path) -> None:
 
 
 def test_tied_embeddings_survive_the_round_trip(tmp_path: Path) -> None:
-    def tied_llama(seed: int) -> LlamaForCausalLM:
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            tie_word_embeddings=True,
-        )
-        return LlamaForCausalLM(config)
-
-    model = tied_llama(seed=0)
+    model = small_llama(seed=0, tie_word_embeddings=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = build_scheduler(optimizer, "warmup_constant", 10, 0.1, 0.0)
     path = save_checkpoint(tmp_path, TrainingState(step=1), model, optimizer, scheduler)
-    restored = tied_llama(seed=1)
+    restored = small_llama(seed=1, tie_word_embeddings=True)
     restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-3)
     restored_scheduler = build_scheduler(restored_optimizer, "warmup_constant", 10, 0.1, 0.0)
     load_checkpoint(path, restored, restored_optimizer, restored_scheduler)

@@ -8,31 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from fixtures.parameters import SMALL_LLAMA, small_llama
 from rlhf_core.training.batching import BatchPlan, fixed_size_plan, token_budget_plan
 from rlhf_core.training.logger import JsonlLogger
 from rlhf_core.training.loop import NonFiniteLossError, build_optimizer, total_steps, train
 from rlhf_core.training.loop_config import LoopConfig
 from rlhf_core.training.schedules import warmup_cosine
 
-VOCAB = 64
+VOCAB = SMALL_LLAMA["vocab_size"]
 PAD = -100
 LENGTHS = [3, 5, 9, 14]  # different lengths: per-micro-batch averaging would weight tokens unequally
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
 
 
 def random_sequences(lengths: list[int], seed: int) -> list[Tensor]:
@@ -77,7 +63,7 @@ def one_step_config(**overrides: object) -> LoopConfig:
 
 
 def train_one_step(plan: BatchPlan, loss_fn, sequences: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
-    model = tiny_llama()
+    model = small_llama()
     collate = lambda indices: pad_batch([sequences[i] for i in indices])  # noqa: E731
     result = train(model, plan, collate, token_count, loss_fn, one_step_config())
     return flat_parameters(model), result.metrics
@@ -105,7 +91,7 @@ class TinyRewardModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lm = tiny_llama()
+        self.lm = small_llama()
         self.head = nn.Linear(32, 1)
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -162,7 +148,7 @@ def test_reward_loss_over_pairs_and_tokens_is_invariant_to_dynamic_batching() ->
 
 def test_nan_loss_at_step_3_raises_naming_step_3_before_the_optimizer_steps() -> None:
     sequences = random_sequences([4] * 8, seed=4)
-    model = tiny_llama()
+    model = small_llama()
     calls = {"count": 0}
     weights_before_step_3: list[Tensor] = []
 
@@ -186,7 +172,7 @@ def test_nan_loss_at_step_3_raises_naming_step_3_before_the_optimizer_steps() ->
 
 def test_non_finite_gradient_with_a_finite_loss_also_stops_before_the_optimizer_step() -> None:
     sequences = random_sequences([4] * 4, seed=4)
-    model = tiny_llama()
+    model = small_llama()
     weights_before = flat_parameters(model)
 
     def loss_fn(model: nn.Module, batch: dict[str, Tensor], totals: dict[str, int]) -> tuple[Tensor, dict]:
@@ -202,7 +188,7 @@ def test_non_finite_gradient_with_a_finite_loss_also_stops_before_the_optimizer_
 
 
 def test_optimizer_skips_frozen_parameters_and_decays_only_matrices() -> None:
-    model = tiny_llama()
+    model = small_llama()
     model.model.embed_tokens.requires_grad_(False)
     optimizer = build_optimizer(model, LoopConfig(lr=1e-3, weight_decay=0.1))
     decayed, undecayed = optimizer.param_groups
@@ -248,7 +234,7 @@ def test_validation_cadence_best_tracking_logged_lr_and_grad_norm(tmp_path: Path
     )
     logger = JsonlLogger(tmp_path / "history.jsonl")
     result = train(
-        tiny_llama(),
+        small_llama(),
         fixed_size_plan(8, seed=0, micro_batch_size=2, accumulation_steps=2),
         lambda indices: pad_batch([sequences[i] for i in indices]),
         token_count,
@@ -275,7 +261,7 @@ def test_validation_cadence_best_tracking_logged_lr_and_grad_norm(tmp_path: Path
 
 def test_logged_grad_norm_is_the_norm_of_the_full_step_gradient() -> None:
     sequences = random_sequences(LENGTHS, seed=6)
-    reference = tiny_llama()
+    reference = small_llama()
     batch = pad_batch(sequences)
     (summed_nll(reference, batch) / token_count(batch)["tokens"]).backward()
     expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
@@ -288,14 +274,14 @@ def test_rerun_of_a_finished_run_restores_its_result_and_trains_nothing(tmp_path
     collate = lambda indices: pad_batch([sequences[i] for i in indices])  # noqa: E731
     plan = fixed_size_plan(6, seed=0, micro_batch_size=2, accumulation_steps=1)
     config = LoopConfig(epochs=2, max_steps=5, lr=1e-2, checkpoint_every=2, keep_checkpoints=2, progress_bar=False)
-    model = tiny_llama()
+    model = small_llama()
     first = train(model, plan, collate, token_count, sft_loss, config, checkpoint_dir=tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000004", "step-00000005"]
 
     def must_not_train(*args: object) -> tuple[Tensor, dict]:
         raise AssertionError("a finished run trained again")
 
-    rerun_model = tiny_llama(seed=1)
+    rerun_model = small_llama(seed=1)
     second = train(rerun_model, plan, collate, token_count, must_not_train, config, checkpoint_dir=tmp_path / "ckpt")
     assert second.resumed_from == 5 and second.final_step == 5
     assert second.metrics == first.metrics

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from fixtures.parameters import small_llama
 from rlhf_core.models.freezing import freeze_all_but_top_layers
 from rlhf_core.training.vocabulary_gradients import (
     InPlaceGradientEmbedding,
@@ -16,20 +17,17 @@ from rlhf_core.training.vocabulary_gradients import (
     accumulate_vocabulary_gradients_in_place,
 )
 
+VOCAB = 40
 PAD = 3
 
 
 def llama(tied: bool) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=tied, pad_token_id=PAD,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    narrow = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32}
+    return small_llama(0, **narrow, tie_word_embeddings=tied, pad_token_id=PAD)
 
 
 def token_ids(rows: int, seed: int) -> torch.Tensor:
-    ids = torch.randint(0, 40, (rows, 9), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, VOCAB, (rows, 9), generator=torch.Generator().manual_seed(seed))
     ids[:, :2] = PAD  # the padding row's gradient must stay zero
     return ids
 
