@@ -26,9 +26,10 @@ class DistributedConfig(Section):
     )
     offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO 2/3).")
     bf16: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="bf16 autocast (fp32 master weights) for training, scoring and generation. auto: on a GPU with "
-        "bf16, on a CPU whose bf16 matmul is measurably faster (rlhf_core/bf16_probe.py); on, off: always, never.",
+        "bf16, on a CPU whose bf16 matmul is measurably faster (rlhf_core/bf16_probe.py); on, off: always, never. "
+        "off by default: on this project's EPYC auto made the whole CPU run slower (docs/results/bf16-precision.md).",
     )
     config_template: str | None = Field(
         None, description="A DeepSpeed JSON template; null: infra/deepspeed/zero2.json or zero3.json."

@@ -78,7 +78,7 @@ def test_the_setting_reads_yaml_booleans_and_names_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match=r"distributed\.bf16.*'auto', 'on' or 'off'"):
         tiny_config("distributed.bf16=sometimes")
     with pytest.raises(ValueError, match="resolve it for the device first"):
-        assert not DistributedConfig().uses_bf16
+        assert not DistributedConfig(bf16="auto").uses_bf16
 
 
 def test_a_resolved_config_names_the_precision_and_the_engines_dtype() -> None:
