@@ -21,7 +21,6 @@ bias on some tokens' logits (`tilted`). The judges are rules, so what they pay f
   such words): the gate must pass it (below, against the baseline with spread lengths, as long as it
   answers, and its replies cut or padded).
 The PPO run's figures are given (a run of the default guard, or of none, that the guard did not stop).
-
 The edges of the length-controlled win rate (slow; the same edges on synthetic verdicts are fast tests in
 test_eval_length_control.py), with the eval stage's anchor rows (the baseline's i-th reply against its
 (i+1)-th): the baseline is the tiny SFT model with its end-of-turn token made likelier (`BASELINE_EOT_BIAS`),
