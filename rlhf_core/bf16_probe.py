@@ -2,8 +2,8 @@
 
 `distributed.bf16: auto` takes bf16 on a CPU only where it pays (training/precision.py). The flags alone do
 not say so: oneDNN uses avx512_bf16 or AMX where they exist, but how much faster that is depends on the
-core (2.1-2.3x on this project's AMD EPYC, ~8x with AMX on a Sapphire Rapids Xeon; docs/results/
-bf16-precision.md), and a CPU without them emulates bf16 at a hundredth of float32's rate. So the probe asks
+core (about 2x with avx512_bf16, far more with AMX; docs/results/bf16-precision.md and
+rollout-benchmarks.md), and a CPU without them emulates bf16 at a hundredth of float32's rate. So the probe asks
 oneDNN whether the units are there, then times the matrix products the stages run most (SmolLM2's MLP at
 512 and 2048 rows) in both dtypes on one thread, best of a few repeats, and keeps the answer in a JSON file
 keyed by the CPU (model name and flags) and the torch version, so every stage of a run, and every later run,

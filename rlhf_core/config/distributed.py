@@ -29,7 +29,7 @@ class DistributedConfig(Section):
         "off",
         description="bf16 autocast (fp32 master weights) for training, scoring and generation. auto: on a GPU with "
         "bf16, on a CPU whose bf16 matmul is measurably faster (rlhf_core/bf16_probe.py); on, off: always, never. "
-        "off by default: on this project's EPYC auto made the whole CPU run slower (docs/results/bf16-precision.md).",
+        "off by default: auto made the whole 2-core CPU run slower (docs/scale-out.md, Precision).",
     )
     config_template: str | None = Field(
         None, description="A DeepSpeed JSON template; null: infra/deepspeed/zero2.json or zero3.json."
