@@ -11,7 +11,7 @@ from torch import nn
 from fixtures.tiny_ppo import tiny_config
 from rlhf_core import bf16_probe
 from rlhf_core.bf16_probe import MatmulRates, cached_rates
-from rlhf_core.config import Config, ConfigError, DistributedConfig, load_config
+from rlhf_core.config import Config, ConfigError, DistributedConfig
 from rlhf_core.models.heads import in_float32
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.ppo.kl import kl_k1
@@ -86,7 +86,7 @@ def test_a_resolved_config_names_the_precision_and_the_engines_dtype() -> None:
     assert (bf16.distributed.bf16, fp32.distributed.bf16) == ("on", "off")
     assert (bf16.ppo.rollout.dtype, bf16.evaluation.generation.dtype) == ("bfloat16", "bfloat16")
     assert (fp32.ppo.rollout.dtype, fp32.evaluation.generation.dtype) == ("float32", "float32")
-    hf = load_config(overrides=["ppo.rollout.engine=hf", "evaluation.generation.dtype=float32"])
+    hf = tiny_config("ppo.rollout.engine=hf", "evaluation.generation.dtype=float32")
     resolved = with_precision(hf, True)
     assert (resolved.ppo.rollout.dtype, resolved.evaluation.generation.dtype) == ("float32", "float32")
 
