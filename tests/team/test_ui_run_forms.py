@@ -53,7 +53,8 @@ def test_a_retrain_whose_overrides_are_not_a_list_is_refused_on_the_field(
     page.get_by_role("button", name="Use JSON input").click()
     overrides.get_by_role("textbox").fill('"sft.max_steps=2"')  # one string where a list belongs
     page.get_by_role("button", name="Submit").click()
-    expect(overrides.get_by_text("is not of type 'array'")).to_be_visible()
+    # How the UI words a JSON-typed value of the wrong type, under the field.
+    expect(overrides.get_by_text("'sft.max_steps=2' is not valid under any of the given schemas")).to_be_visible()
     screenshots.take(page, "prefect-retrain-form-refused")
     assert flow_run_count(team_stack, "rlhf-retrain") == runs_before
 
