@@ -29,6 +29,9 @@ from torch import nn
 BANDWIDTH_MIB = 128
 REPEATS = 10
 
+# The matmul whose rate bounds compute: rlhf_core.bf16_probe.matmul_gflops(dtype, SQUARE, threads).
+SQUARE = ((1024, 1024, 1024),)
+
 
 def _best_seconds(function: Callable[[], object], repeats: int = REPEATS) -> float:
     function()  # warm-up: page faults, kernel selection
@@ -48,12 +51,6 @@ def memory_bandwidth_gbs(mib: int = BANDWIDTH_MIB) -> float:
     copy = 2 * size / _best_seconds(lambda: target.copy_(source))
     read = size / _best_seconds(lambda: source.sum())
     return max(copy, read) / 1e9
-
-
-def matmul_gflops(dtype: torch.dtype, size: int = 1024) -> float:
-    """GFLOP/s of a square matmul in `dtype` (the compute rate the prefill can reach at best)."""
-    left, right = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    return 2 * size**3 / _best_seconds(lambda: left @ right) / 1e9
 
 
 def matmul_parameters(model: nn.Module) -> int:

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 from generation_bounds import (
+    SQUARE,
     batch_sweep,
     bound_report,
     generation_bound,
-    matmul_gflops,
     memory_bandwidth_gbs,
     print_generation,
 )
@@ -58,6 +58,7 @@ from measurement import (
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from workload import SHARED_PAIRS, SYNTHETIC, benchmark_prompts, fingerprint
 
+from rlhf_core.bf16_probe import matmul_gflops
 from rlhf_core.config import Config, load_config
 from rlhf_core.models.base import DTYPES, base_model_location, load_base_model, load_base_tokenizer
 from rlhf_core.models.chat import encode_prompt, end_of_turn_id
@@ -313,7 +314,7 @@ def generation_section(
     """Generation against its bounds (generation_bounds.py), and the `--sweep` of rollout batch sizes."""
     ppo = config.ppo
     dtype = DTYPES[ppo.rollout.dtype if ppo.rollout.engine == "lean" else config.model.dtype]
-    bandwidth, gflops = memory_bandwidth_gbs(), matmul_gflops(dtype)
+    bandwidth, gflops = memory_bandwidth_gbs(), matmul_gflops(dtype, SQUARE, torch.get_num_threads())
     length, prompt_length = ppo.rollout.max_new_tokens, ppo.max_prompt_tokens
 
     def bound(batch: int) -> Any:

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from generation_bounds import generation_bound, matmul_gflops, memory_bandwidth_gbs
+from generation_bounds import SQUARE, generation_bound, memory_bandwidth_gbs
 from measurement import synchronize
 from torch import Tensor
 from transformers import PreTrainedModel
 from workload import SYNTHETIC, benchmark_prompts
 
+from rlhf_core.bf16_probe import matmul_gflops
 from rlhf_core.config import RolloutConfig, load_config
 from rlhf_core.models.base import load_base_model
 from rlhf_core.models.chat import encode_prompt
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     prompts = benchmark_prompts(tokenizer, args.data, max(sizes), args.prompt_length, config.seed)
     ids = [encode_prompt(tokenizer, prompt.messages, args.prompt_length) for prompt in prompts]
-    machine = (memory_bandwidth_gbs(), {d: matmul_gflops(getattr(torch, d)) for d in ("float32", "bfloat16")})
+    machine = (
+        memory_bandwidth_gbs(),
+        {d: matmul_gflops(getattr(torch, d), SQUARE, torch.get_num_threads()) for d in ("float32", "bfloat16")},
+    )
     print(f"memory bandwidth {machine[0]:.1f} GB/s, matmul GFLOP/s {machine[1]}, {torch.get_num_threads()} threads")
     report: dict[str, Any] = {"memory_bandwidth_gbs": machine[0], "matmul_gflops": machine[1], "batches": {}}
     for batch in sizes:

@@ -5,7 +5,7 @@
 RUN_DIR is an `rlhf run` output (data/, sft/, reward/, judge_reward/, ppo/, eval/, each with metrics.json
 and the training stages' history.params.json). The script measures the matmul rate in `--dtype` (float32,
 or bfloat16 for a run that computed in bf16, whose decode steps then stream half the bytes; best of
-`--repeats` 1024^3 matmuls on `--threads` threads, the stages' count; a few seconds), rebuilds each stage's
+5 1024^3 matmuls on `--threads` threads, the stages' count; a few seconds), rebuilds each stage's
 batches from its own inputs (stage_tokens.py), counts their FLOPs from the model's config.json
 (stage_flops.py) and prints per stage: token passes (real / padded), GFLOP, the bound in minutes, the
 measured minutes, their ratio, and the stage with the most minutes above its bound. Decode steps are bound
@@ -18,16 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from generation_bounds import SQUARE
 from stage_flops import ModelShape, Work
 from stage_tokens import evaluation_work, ppo_work, reward_work, sft_work
 from transformers import AutoTokenizer
 
+from rlhf_core.bf16_probe import REPEATS, matmul_gflops
 from rlhf_core.config import load_config
 
 STAGES = ("sft", "reward", "judge_reward", "ppo", "eval")
@@ -51,19 +52,6 @@ class StageBound:
     @property
     def gap_minutes(self) -> float | None:
         return None if self.measured_minutes is None else self.measured_minutes - self.bound_minutes
-
-
-def matmul_gflops(threads: int, repeats: int, dtype: torch.dtype, size: int = 1024) -> float:
-    """The best rate of `repeats` size^3 matmuls in `dtype` on `threads` threads (after one warm-up)."""
-    torch.set_num_threads(threads)
-    left, right = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    left @ right
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        left @ right
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best / 1e9
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -159,7 +147,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-dir", type=Path, help="the run's evaluation output (default RUN_DIR/eval)")
     parser.add_argument("--config", type=Path, action="append", default=[], help="overlay for the evaluation settings")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="matmul threads (the stages')")
-    parser.add_argument("--repeats", type=int, default=20, help="matmuls measured; the best counts")
     parser.add_argument("--gflops", type=float, help="use this matmul rate instead of measuring it")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="the precision the run computed in (its log says)"
@@ -174,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_dir = args.eval_dir or args.run_dir / "eval"
     config = load_config(Path(__file__).resolve().parents[1] / "params.yaml", args.config).model_dump(mode="json")
     dtype = DTYPES[args.dtype]
-    gflops = args.gflops or matmul_gflops(args.threads, args.repeats, dtype)
-    source = "given" if args.gflops else f"measured, best of {args.repeats} 1024^3 matmuls on {args.threads} threads"
+    gflops = args.gflops or matmul_gflops(dtype, SQUARE, args.threads)
+    source = "given" if args.gflops else f"measured, best of {REPEATS} 1024^3 matmuls on {args.threads} threads"
     print(f"{args.dtype} matmul rate {gflops:.1f} GFLOP/s ({source})", flush=True)
     model_config = json.loads((args.run_dir / "sft" / "model" / "config.json").read_text(encoding="utf-8"))
     shape = ModelShape.from_config(model_config)

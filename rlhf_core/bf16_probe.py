@@ -47,11 +47,12 @@ def native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def matmul_gflops(dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> float:
-    """The best rate over `REPEATS` of multiplying each shape in `dtype`, on one thread, in GFLOP/s."""
+def matmul_gflops(dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] = SHAPES, threads: int = 1) -> float:
+    """The best rate over `REPEATS` of multiplying each shape in `dtype`, on `threads` threads, in GFLOP/s
+    (the benchmarks time their bounds' rate with it too)."""
     generator = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         flops, best = 0.0, 0.0
         for rows, inner, outer in shapes:
@@ -63,7 +64,7 @@ def matmul_gflops(dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] =
             best += fastest
         return flops / best / 1e9
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads_before)
 
 
 def _timed(left: torch.Tensor, right: torch.Tensor) -> float:
