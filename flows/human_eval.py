@@ -10,10 +10,9 @@ The flow
    length-matched pairs of generations_matched.jsonl when it lies beside the generations file, as
    `rlhf eval` leaves it: people judge those too, after the main pairs), records the seeded order in
    which each pair's replies are shown, and finds the pairs not yet answered,
-3. pauses on one form per batch of `batch_size` pairs (the markdown above the form shows the
-   conversation, Reply 1 and Reply 2; the fields are a choice per pair, "reply 1", "reply 2" or "tie",
-   and an optional comment), and appends each submitted form's answers to answers.jsonl (fsynced)
-   before showing the next,
+3. pauses on one form per batch of `batch_size` pairs (per pair a choice, "reply 1", "reply 2" or "tie",
+   shown with the conversation, Reply 1 and Reply 2 under its question, and an optional comment), and
+   appends each submitted form's answers to answers.jsonl (fsynced) before showing the next,
 4. when every pair is answered, writes the same files as the other judges (verdicts.jsonl with judge
    "human", report.json, report.md, plots/win_rate.png, metrics.json last), publishes the report as
    the markdown artifact `human-eval-report`, and logs an MLflow run when tracking is configured.
@@ -40,7 +39,8 @@ cancelling it in the UI.
 
 Resuming with input from outside the UI: `prefect.flow_runs.resume_flow_run(flow_run_id,
 run_input={"choice_3": "reply 1", "comment_3": ""})` (what the UI posts to `/flow_runs/{id}/resume`);
-the keys of the paused state's `run_input_keyset` name the form's schema and description.
+the keys of the paused state's `run_input_keyset` name the form's schema, whose fields' descriptions hold
+the pairs.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.judges.human import MATCHED_PAIRS_FILE, batches, open_session
 from rlhf_core.evaluation.outputs import read_verdicts
+from rlhf_core.form_order import number_fields
 from tasks.evaluation.human_eval import ask_pairs, generate_pairs_task, report_task
 
 DEFAULT_PAUSE_TIMEOUT_S = 24 * 3600
@@ -70,7 +71,7 @@ class HumanEvalSettings(BaseModel):
     empty). With `generations`, `model_a` and `model_b` are only the names the report shows.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=number_fields)
 
     out_dir: str = Field(description="The session directory (answers, plan, report); run again on it to resume.")
     generations: str | None = Field(

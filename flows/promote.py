@@ -34,7 +34,7 @@ service down) fails the run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.pipeline import CACHE_DIR_NAME, run_directory
 from rlhf_core.config import Config, load_config
+from rlhf_core.form_order import number_fields
 from rlhf_core.layout import RUNS_DIR
 from rlhf_core.promotion.evidence import Evidence, evaluation_evidence, identical_models_evidence
 from tasks.evaluation.evaluate_task import evaluate_task
@@ -79,10 +80,16 @@ FORM_RULES: list[dict[str, object]] = [
 ]
 
 
+def form_schema(schema: dict[str, Any]) -> None:
+    """The form's fields in their declared order, and its rules."""
+    number_fields(schema)
+    schema["allOf"] = FORM_RULES
+
+
 class PromoteSettings(BaseModel):
     """What a promotion run is asked to do (the form of the Run dialog in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"allOf": FORM_RULES})
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=form_schema)
 
     mode: Literal["evaluate", "rollback"] = Field(
         "evaluate",

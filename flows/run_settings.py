@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlhf_core.form_order import number_fields
 from rlhf_core.layout import RUNS_DIR
 from tasks.stages.remote import RemoteStages
 
 
 class RunSettings(BaseModel):
-    """The shared part of a training flow's Run form."""
+    """The shared part of a training flow's Run form: its fields come first (`number_fields`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=number_fields)
 
     config: list[str] = Field(
         default_factory=list,

@@ -15,6 +15,7 @@ KEY_SCREENSHOTS=(
     prefect-run-completed
     prefect-evaluation-report
     prefect-retrain-schedule
+    prefect-human-eval-form
     prefect-promotion-rejected
     mlflow-nested-runs
     mlflow-registry

@@ -50,6 +50,7 @@ from rlhf_core.config import (
     read_yaml_mapping,
     validate_config,
 )
+from rlhf_core.form_order import number_fields
 
 VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 VARIANT_SECTION = "ppo"
@@ -59,7 +60,7 @@ DEFAULT_PRESET: str = PPOConfig.model_fields["preset"].default
 class VariantSpec(BaseModel):
     """One variant of a grid: a name, a preset and `ppo.*` overrides."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=number_fields)
 
     name: str = Field(description="Names the variant's directory, MLflow run and table row (letters, digits, _ . -).")
     preset: str = Field(description=f"The PPO preset the variant starts from: {', '.join(PPO_PRESETS)}.")

@@ -9,8 +9,9 @@ rlhf_core/evaluation/judges/human.py).
   artifact, and an MLflow run when tracking is configured.
 
 The form is a `RunInput` model built per batch: for each pair at position N a required field
-`choice_N` ("reply 1", "reply 2" or "tie") and an optional `comment_N`; its description (shown above
-the form) is the conversation and the two replies in the shown order (judges/human.py).
+`choice_N` ("reply 1", "reply 2" or "tie"), whose description (shown under its label) is the
+conversation and the two replies in the shown order, the first after the instructions, and an optional
+`comment_N` (texts: judges/human.py). The form has no description of its own: the UI would squeeze it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from rlhf_core.evaluation.judges.human import (
     HumanSession,
     Preference,
     ShownPair,
-    form_description,
     load_session,
+    pair_markdown,
+    pair_question,
 )
 from rlhf_core.evaluation.judges.verdicts import Judgement, Verdict
 from rlhf_core.evaluation.length_matching import length_matched_pairs
@@ -131,14 +133,14 @@ def comment_field(position: int) -> str:
 
 
 def answer_form(batch: Sequence[ShownPair], total: int) -> type[RunInput]:
-    """The `RunInput` model of one form: a choice and a comment per pair, the pairs as its description."""
+    """The `RunInput` model of one form: per pair a choice, described by the pair itself, and a comment."""
     fields: dict[str, Any] = {}
     for shown in batch:
         position = shown.planned.position
-        fields[choice_field(position)] = (Preference, Field(title=f"Pair {position}: which reply is better?"))
-        fields[comment_field(position)] = (str, Field("", title=f"Pair {position}: comment (optional)"))
-    form = create_model(FORM_NAME, __base__=RunInput, **fields)
-    return form.with_initial_data(description=form_description(batch, total))
+        text = pair_markdown(shown, instructions=shown is batch[0])
+        fields[choice_field(position)] = (Preference, Field(title=pair_question(position, total), description=text))
+        fields[comment_field(position)] = (str, Field("", title=f"Pair {position}: comment"))
+    return create_model(FORM_NAME, __base__=RunInput, **fields)
 
 
 def pause_key(batch: Sequence[ShownPair]) -> str:

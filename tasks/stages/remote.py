@@ -31,6 +31,7 @@ from prefect.deployments import run_deployment
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.config import Config
+from rlhf_core.form_order import number_fields
 from rlhf_core.layout import STAGE_DIRS, stage_output_dir
 from rlhf_core.stage_outputs import StageOutput
 from tasks.execution.caching import with_cache_dir
@@ -59,7 +60,7 @@ POLL_SECONDS = 5.0
 class RemoteStages(BaseModel):
     """Which training stages run on the stage deployment's work pool, and the store they exchange files in."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=number_fields)
 
     stages: list[RemoteStageName] = Field(
         default_factory=list, description="Training stages to run on the stage deployment's pool (e.g. a GPU pool)."

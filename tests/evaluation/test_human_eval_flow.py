@@ -1,6 +1,6 @@
 """The `rlhf-human-eval` flow against a real Prefect server (fixture `prefect_api`), answered the way the UI
-answers it: the test waits until the run is Paused, reads the form's description through the API,
-decides from what the description shows, and resumes the run with `resume_flow_run(..., run_input=...)`.
+answers it: the test waits until the run is Paused, reads the form's schema through the API, decides
+from what each pair's question shows (its description), and resumes the run with `resume_flow_run(..., run_input=...)`.
 
 One session on four hand-written pairs, with a seed whose recorded order shows pairs 1 and 3 swapped:
 - session 1 (a separate process) answers "reply 1" on pairs 1 and 2, then is killed while pair 3's form
@@ -41,7 +41,7 @@ from prefect.input.actions import read_flow_run_input
 
 from fixtures.paths import PARAMS, ROOT
 from flows.human_eval import HumanEvalSettings, rlhf_human_eval
-from rlhf_core.evaluation.judges.human import PLAN_FILE, plan_session
+from rlhf_core.evaluation.judges.human import PLAN_FILE, as_text, plan_session
 from rlhf_core.evaluation.outputs import GeneratedPair, read_generations, read_verdicts, write_jsonl
 from tasks.evaluation.human_eval import REPORT_ARTIFACT_KEY, choice_field, comment_field
 
@@ -105,11 +105,28 @@ def tagged_run(tag: str) -> FlowRun | None:
     return runs[0] if runs else None
 
 
-def wait_for_form(tag: str, answered_keys: set[str], alive: Any) -> tuple[UUID, str, str]:
-    """(flow run id, pause description key, description) of the next open form of the run tagged `tag`.
+@dataclass(frozen=True)
+class OpenForm:
+    """A paused run's form as the UI reads it: its JSON schema, a question per pair."""
 
-    A form is open once the run is Paused AND its description is stored: the flow sets the state first
-    and saves the form's schema and description right after, as the UI also has to wait for.
+    run_id: UUID
+    key: str  # the schema's key: one per form
+    schema: dict[str, Any]
+
+    def questions(self) -> list[str]:
+        """The form's questions (its required fields' titles), in order."""
+        return [self.schema["properties"][name]["title"] for name in self.schema["required"]]
+
+    def pair_text(self, position: int) -> str:
+        """What the form shows with the question about the pair at `position` (its field's description)."""
+        return self.schema["properties"][choice_field(position)]["description"]
+
+
+def wait_for_form(tag: str, answered_keys: set[str], alive: Any) -> OpenForm:
+    """The next open form of the run tagged `tag`.
+
+    A form is open once the run is Paused AND its schema is stored: the flow sets the state first and
+    saves the form's schema right after, as the UI also has to wait for.
     """
     deadline = time.monotonic() + FORM_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -117,20 +134,20 @@ def wait_for_form(tag: str, answered_keys: set[str], alive: Any) -> tuple[UUID, 
         run = tagged_run(tag)
         if run is not None and run.state is not None and run.state.type == StateType.PAUSED:
             keyset = run.state.state_details.run_input_keyset
-            if keyset and keyset["description"] not in answered_keys:
-                description = read_flow_run_input(keyset["description"], flow_run_id=run.id)
-                if description:
-                    return run.id, keyset["description"], description
+            if keyset and keyset["schema"] not in answered_keys:
+                schema = read_flow_run_input(keyset["schema"], flow_run_id=run.id)
+                if schema:
+                    return OpenForm(run.id, keyset["schema"], schema)
         time.sleep(POLL_S)
     raise AssertionError(f"no open form for the run tagged {tag} after {FORM_TIMEOUT_S:.0f} s")
 
 
-def shown_first(description: str, position: int, pair: GeneratedPair) -> str:
+def shown_first(form: OpenForm, position: int, pair: GeneratedPair) -> str:
     """ "A" or "B": whose reply the form shows as Reply 1 for the pair at `position` (what a person sees)."""
-    section = description.split(f"## Pair {position} of ")[1].split("## Pair ")[0]
-    reply_1 = section.split("**Reply 1**")[1].split("**Reply 2**")[0]
-    assert (pair.pair.reply_a in reply_1) != (pair.pair.reply_b in reply_1)
-    return "A" if pair.pair.reply_a in reply_1 else "B"
+    reply_1 = form.pair_text(position).split("### Reply 1")[1].split("### Reply 2")[0]
+    reply_a, reply_b = as_text(pair.pair.reply_a), as_text(pair.pair.reply_b)  # as the form shows them
+    assert (reply_a in reply_1) != (reply_b in reply_1)
+    return "A" if reply_a in reply_1 else "B"
 
 
 def credited(choice: str, first: str) -> str:
@@ -179,15 +196,15 @@ def session_1_killed_at_pair_3(sessions: Sessions, tag: str, log_path: Path) -> 
 
     try:
         for position, choice in ((1, "reply 1"), (2, "reply 1")):
-            run_id, key, description = wait_for_form(tag, sessions.answered, alive)
-            assert f"# Human evaluation: pair {position} of 4" in description
-            first = shown_first(description, position, sessions.pairs[position - 1])
+            form = wait_for_form(tag, sessions.answered, alive)
+            assert form.questions() == [f"Pair {position} of 4: which reply is better?"]
+            first = shown_first(form, position, sessions.pairs[position - 1])
             assert first == ("B" if SWAPPED[position - 1] else "A")  # the seeded order, as shown
-            resume_flow_run(run_id, run_input={choice_field(position): choice, comment_field(position): ""})
-            sessions.answered.add(key)
+            resume_flow_run(form.run_id, run_input={choice_field(position): choice, comment_field(position): ""})
+            sessions.answered.add(form.key)
             sessions.expected[sessions.pairs[position - 1].pair.pair_key] = credited(choice, first)
-        run_id, key, description = wait_for_form(tag, sessions.answered, alive)
-        assert "# Human evaluation: pair 3 of 4" in description
+        form = wait_for_form(tag, sessions.answered, alive)
+        assert form.questions() == ["Pair 3 of 4: which reply is better?"]
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
@@ -213,19 +230,19 @@ def session_2_answers_the_rest(sessions: Sessions, tag: str) -> tuple[UUID, dict
         if "error" in outcome:
             raise AssertionError(f"session 2 failed: {outcome['error']!r}")
 
-    run_id, key, description = wait_for_form(tag, sessions.answered, alive)
-    assert "# Human evaluation: pairs 3-4 of 4" in description
-    assert "## Pair 1 of" not in description and "## Pair 2 of" not in description
+    form = wait_for_form(tag, sessions.answered, alive)
+    # pairs 1 and 2 are not asked again
+    assert form.questions() == ["Pair 3 of 4: which reply is better?", "Pair 4 of 4: which reply is better?"]
     run_input = {}
     for position, choice in ((3, "reply 2"), (4, "tie")):
-        first = shown_first(description, position, sessions.pairs[position - 1])
+        first = shown_first(form, position, sessions.pairs[position - 1])
         run_input |= {choice_field(position): choice, comment_field(position): f"pair {position}"}
         sessions.expected[sessions.pairs[position - 1].pair.pair_key] = credited(choice, first)
-    resume_flow_run(run_id, run_input=run_input)
+    resume_flow_run(form.run_id, run_input=run_input)
     thread.join(timeout=FORM_TIMEOUT_S)
     assert not thread.is_alive() and "error" not in outcome, outcome
     assert tagged_run(tag).state.type == StateType.COMPLETED
-    return run_id, outcome["metrics"]
+    return form.run_id, outcome["metrics"]
 
 
 def check_tracked(run_id: UUID, tracking_uri: str) -> None:

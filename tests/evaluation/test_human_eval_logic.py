@@ -14,14 +14,16 @@ from flows.human_eval import HumanEvalSettings
 from rlhf_core.config import Config
 from rlhf_core.evaluation.judges.human import (
     ANSWERS_FILE,
+    INSTRUCTIONS,
     PAIRS_FILE,
     PLAN_FILE,
     HumanAnswer,
     Preference,
+    as_text,
     batches,
-    form_description,
     load_session,
     open_session,
+    pair_markdown,
     plan_session,
     read_answers,
     unswap,
@@ -106,15 +108,20 @@ def test_unswap(choice: Preference, swapped: bool, verdict: Verdict) -> None:
 def test_the_form_shows_the_replies_in_the_recorded_order(tmp_path: Path) -> None:
     session = open_session(tmp_path / "s", write_generations(tmp_path / "g.jsonl", 8), seed=3)
     for shown in session.shown():
-        text = form_description([shown], total=8)
-        first, second = text.index("**Reply 1**"), text.index("**Reply 2**")
-        position_a = text.index(shown.generated.pair.reply_a)
-        position_b = text.index(shown.generated.pair.reply_b)
+        text = pair_markdown(shown)
+        first, second = text.index("### Reply 1"), text.index("### Reply 2")
+        position_a = text.index(as_text(shown.generated.pair.reply_a))
+        position_b = text.index(as_text(shown.generated.pair.reply_b))
         a_first = first < position_a < second < position_b
         b_first = first < position_b < second < position_a
         assert (b_first, a_first) == (shown.planned.swapped, not shown.planned.swapped)
-        assert f"# Human evaluation: pair {shown.planned.position} of 8" in text
-        assert shown.generated.pair.prompt[0]["content"] in text
+        assert as_text(shown.generated.pair.prompt[0]["content"]) in text
+
+
+def test_markup_in_a_reply_is_shown_as_written() -> None:
+    reply = "# Not a heading\n\n1. not a list\n**Reply 2** <b>x</b>"
+    assert as_text(reply).split("\n\n") == [r"\# Not a heading", r"1\. not a list", r"\*\*Reply 2\*\* \<b\>x\</b\>"]
+    assert as_text("  ") == "*(empty reply)*"
 
 
 # ---- the session directory and resuming
@@ -198,8 +205,14 @@ def test_a_batch_form_has_a_choice_and_comment_per_pair_and_the_pairs_as_descrip
     batch = session.shown()[1:3]
     form = answer_form(batch, total=4)
     assert set(form.model_fields) == {"choice_2", "comment_2", "choice_3", "comment_3"}
-    assert form._description == form_description(batch, 4)
-    assert "pairs 2-3 of 4" in form._description
+    # each pair is shown with its question, where the UI renders a field's description; the instructions
+    # with the first
+    for shown in batch:
+        question = form.model_fields[choice_field(shown.planned.position)]
+        assert question.title == f"Pair {shown.planned.position} of 4: which reply is better?"
+        assert question.description == pair_markdown(shown, instructions=shown is batch[0])
+    assert INSTRUCTIONS in form.model_fields["choice_2"].description
+    assert INSTRUCTIONS not in form.model_fields["choice_3"].description
     assert pause_key(batch) == "pairs-2-3"
     with pytest.raises(ValidationError):
         form(choice_2="reply 1")  # choice_3 missing

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from prefect.events import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
+from prefect.utilities.callables import parameter_schema
 
 from fixtures.paths import ROOT
 from flows.deployments import DEPLOYMENTS, DeploymentSpec, runner_deployment
@@ -87,3 +88,17 @@ def test_retrain_runs_on_each_new_data_event_and_keeps_its_weekly_cron() -> None
     # What the server renders the templates into is valid input for the flow's form.
     rendered = {"settings": {"data": "data/raw", "data_version": "0123456789abcdef0123456789abcdef.dir"}}
     assert retrain.flow.validate_parameters(rendered)["settings"].data_version == rendered["settings"]["data_version"]
+
+
+@pytest.mark.parametrize(
+    "spec", [spec for spec in DEPLOYMENTS if spec.name != "rlhf-stage"], ids=lambda spec: spec.name
+)
+def test_each_form_lists_its_fields_in_the_models_order(spec: DeploymentSpec) -> None:
+    """The UI orders a form's fields by `position`: without it a server on PostgreSQL (JSONB) lists them
+    shortest name first. The stage flow is left out: the pipeline fills its form, not a person."""
+    schema = parameter_schema(spec.flow.fn).model_dump()
+    for name, model in schema["definitions"].items():
+        if "properties" in model:
+            assert [field["position"] for field in model["properties"].values()] == list(
+                range(len(model["properties"]))
+            ), name

@@ -42,7 +42,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "tasks.data": {"rlhf_core"},
     "tasks.serving": {"rlhf_core"},
     "tasks.services": {"rlhf_core"},
-    "ablation": {"stages", "ppo", "config", "atomic", "layout"},
+    "ablation": {"stages", "ppo", "config", "atomic", "form_order", "layout"},
     "stages": {
         "evaluation", "ppo", "reward", "sft", "training", "data", "models", "distributed", "config",
         "atomic", "layout", "output_lock", "progress", "statistics", "bf16_probe",
@@ -63,6 +63,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "bf16_probe": {"atomic"},
     "c_library": set(),
     "file_lock": set(),
+    "form_order": set(),
     "layout": set(),
     "output_lock": {"file_lock", "write_failures"},
     "progress": set(),

@@ -7,13 +7,10 @@ logs, and run a tiny pipeline submitted to the `rlhf-pipeline` deployment on the
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import boto3
 import psycopg
@@ -25,7 +22,7 @@ from prefect.client.schemas.objects import FlowRun
 
 from fixtures.pairs import write_topic_pairs
 from fixtures.processes import group_processes
-from fixtures.team.team_stack import TeamStack, run_launcher
+from fixtures.team.team_stack import FLOW_RUN_TIMEOUT_S, TeamStack, admin_mlflow, run_launcher, wait_for_end
 from flows.deployments import DEPLOYMENTS
 from rlhf_core.layout import METRICS_FILE
 from rlhf_core.training.checkpoint import complete_checkpoints
@@ -35,7 +32,6 @@ from tasks.tracking.mlflow_runs import PARENT_RUN_TAG
 # Every test here needs the team stack, which starts seven services: none belongs in the fast subset.
 pytestmark = pytest.mark.slow
 
-FLOW_RUN_TIMEOUT_S = 900  # guards for a hung run, not measurements
 RESTART_TIMEOUT_S = 120
 # SFT long enough to restart the databases in the middle of it; the later stages short (as in
 # tests/orchestration/test_service_outages.py).
@@ -168,24 +164,6 @@ def wait_for_checkpoint(
         assert not state.is_final(), f"the flow run ended ({state.name}) before a checkpoint: {state.message}"
         time.sleep(0.5)
     raise AssertionError(f"no checkpoint under {runs}/{stage_glob} within {FLOW_RUN_TIMEOUT_S} s")
-
-
-def wait_for_end(read_flow_run: Callable[[], FlowRun]) -> FlowRun:
-    """The flow run once it has ended (a guard against a hung run, not a measurement)."""
-    deadline = time.monotonic() + FLOW_RUN_TIMEOUT_S
-    while not (flow_run := read_flow_run()).state.is_final():
-        assert time.monotonic() < deadline, f"the flow run has not ended after {FLOW_RUN_TIMEOUT_S} s"
-        time.sleep(1)
-    return flow_run
-
-
-@contextmanager
-def admin_mlflow(team_stack: TeamStack) -> Iterator[MlflowClient]:
-    """An MLflow client signed in as the admin: MLflow reads the credentials from the environment on each
-    request, so they are set only while the block runs."""
-    user, password = team_stack.mlflow_admin
-    with mock.patch.dict(os.environ, {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}):
-        yield MlflowClient(tracking_uri=team_stack.mlflow_url)
 
 
 def test_a_pipeline_run_through_database_restarts_completes_on_the_cpu_worker_with_runs_in_postgresql_and_s3(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -54,6 +55,8 @@ JUDGE_NAME = "human"
 PLAN_FILE = "plan.json"
 ANSWERS_FILE = "answers.jsonl"
 EMPTY_REPLY = "(empty reply)"
+# CommonMark lets a backslash escape any ASCII punctuation mark; these are the ones that can start markup.
+MARKDOWN_PUNCTUATION = r"([\\`*_{}\[\]()#+\-.!|<>~])"
 
 INSTRUCTIONS = (
     "Which reply is the better next turn of the assistant? A better reply is more **helpful** (it "
@@ -371,37 +374,35 @@ def batches(items: Sequence[T], size: int) -> list[list[T]]:
     return [list(items[start : start + size]) for start in range(0, len(items), size)]
 
 
-def quoted(text: str) -> str:
-    """`text` as a markdown block quote, every line of it (so a reply cannot end the quote early)."""
-    return "\n".join(f"> {line}" if line else ">" for line in (text.strip() or EMPTY_REPLY).splitlines())
+def as_text(text: str) -> str:
+    """`text` as markdown that shows it as written: every punctuation mark escaped, so that nothing in a
+    reply is taken for markup (a heading, a list, "**Reply 2**"), and each line a paragraph of its own."""
+    lines = [re.sub(MARKDOWN_PUNCTUATION, r"\\\1", line.strip()) for line in text.strip().splitlines()]
+    return "\n\n".join(line for line in lines if line) or f"*{EMPTY_REPLY}*"
 
 
-def pair_markdown(shown: ShownPair, total: int) -> str:
-    """One pair as shown: the conversation, then Reply 1 and Reply 2 in the planned order."""
-    conversation = "\n>\n".join(
-        quoted(f"**{message['role'].capitalize()}:** {message['content'].strip()}")
-        for message in shown.generated.pair.prompt
-    )
-    return "\n\n".join(
-        [
-            f"## Pair {shown.planned.position} of {total}",
-            "**Conversation**",
-            conversation,
-            "**Reply 1**",
-            quoted(shown.reply_1),
-            "**Reply 2**",
-            quoted(shown.reply_2),
-        ]
-    )
+def pair_question(position: int, total: int) -> str:
+    """The question a form asks about the pair at `position`: the label of its choice."""
+    return f"Pair {position} of {total}: which reply is better?"
 
 
-def form_description(batch: Sequence[ShownPair], total: int) -> str:
-    """The markdown above a form: the instructions and each pair of the batch."""
-    positions = [shown.planned.position for shown in batch]
-    heading = f"pair {positions[0]}" if len(positions) == 1 else f"pairs {positions[0]}-{positions[-1]}"
-    parts = [
-        f"# Human evaluation: {heading} of {total}",
-        INSTRUCTIONS,
-        *(pair_markdown(shown, total) for shown in batch),
+def pair_markdown(shown: ShownPair, instructions: bool = False) -> str:
+    """One pair as shown under its question: the conversation, then Reply 1 and Reply 2 in the planned
+    order, after the instructions if asked (a form's first question carries them).
+
+    The pair goes with its question, not above the form: Prefect's Resume dialog shrinks the text above
+    a form to nothing when the questions fill it, and a person must never answer without the pair.
+    """
+    conversation = [
+        f"**{message['role'].capitalize()}:** {as_text(message['content'])}" for message in shown.generated.pair.prompt
     ]
-    return "\n\n".join(parts) + "\n"
+    parts = [INSTRUCTIONS] if instructions else []
+    parts += [
+        "### Conversation",
+        *conversation,
+        "### Reply 1",
+        as_text(shown.reply_1),
+        "### Reply 2",
+        as_text(shown.reply_2),
+    ]
+    return "\n\n".join(parts)
