@@ -7,6 +7,7 @@ logs, and run a tiny pipeline submitted to the `rlhf-pipeline` deployment on the
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,7 +231,8 @@ def test_a_worker_killed_mid_stage_is_replaced_and_a_rerun_completes_registering
 ) -> None:
     """The CPU worker killed, its flow run with it, while SFT trains (`stack.py kill`, as a crash would);
     the worker started again and the same run submitted again: it waits for the killed run's training slot
-    (a lease that runs out, shortened here to its minimum), completes, and registers no model twice."""
+    (a lease that runs out, shortened here to its minimum), resumes SFT from the killed run's newest
+    checkpoint, completes, and registers no model twice."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
@@ -253,9 +255,15 @@ def test_a_worker_killed_mid_stage_is_replaced_and_a_rerun_completes_registering
         for action in ("kill", "restart"):
             run_launcher(action, "worker-cpu", "--state-dir", str(team_stack.state_dir), timeout_s=RESTART_TIMEOUT_S)
         assert not group_processes(worker) and not (sft_dir / METRICS_FILE).exists()  # the stage died with it
+        checkpointed = max(int(path.name.split("-")[1]) for path in complete_checkpoints(sft_dir / "checkpoints"))
         rerun_id = run_deployment(**request).id
         rerun = wait_for_end(lambda: client.read_flow_run(rerun_id))
     assert rerun.state.name == "Completed"
+    # The rerun trained on in the killed run's SFT folder, from its newest checkpoint, without a step twice.
+    metrics = json.loads((sft_dir / METRICS_FILE).read_text())
+    assert metrics["resumed_from"] >= checkpointed >= 2
+    steps = [json.loads(line)["step"] for line in (sft_dir / "history.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == metrics["steps"] > metrics["resumed_from"]
     with admin_mlflow(team_stack) as mlflow_client:
         after = registered_versions(mlflow_client)
     new = {model: len(after[model]) - len(pipeline_run.versions.get(model, [])) for model in after}
