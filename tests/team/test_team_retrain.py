@@ -67,9 +67,9 @@ def tiny_project(team_stack: TeamStack) -> Iterator[Path]:
     finally:
         for name, text in saved.items():
             (project / name).write_text(text)
-        for name in (".git", "data/raw", "data/raw.dvc"):
-            path = project / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        shutil.rmtree(project / ".git")
+        shutil.rmtree(project / "data" / "raw", ignore_errors=True)
+        (project / "data" / "raw.dvc").unlink(missing_ok=True)
 
 
 def team_member_env(team_stack: TeamStack) -> dict[str, str]:
