@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
+from xdist.scheduler import LoadScopeScheduling
 
 from rlhf_core.models.smollm2 import load_smollm2_tokenizer
 from rlhf_core.rollout import kernel_library
@@ -155,3 +156,39 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if started and item.get_closest_marker("slow") is None:
         pytest.fail(f"{item.nodeid} starts processes but is not marked slow: {started[0]}", pytrace=False)
     return result
+
+
+# pytest-xdist (`-n 2`, README's Tests) hands each worker whole modules, so that a module's fixtures (a
+# trained tiny pipeline, a pair of work pools) are built once, not once per worker; and all of tests/team/ as
+# one unit: the team stack is a session fixture, and split over two workers it would start twice (two
+# minutes of both cores, two browsers).
+TEAM_STACK_UNIT = "tests/team/"
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    """xdist's `loadscope` with tests/team/ as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        return TEAM_STACK_UNIT if module.startswith(TEAM_STACK_UNIT) else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleScheduling:
+    """`ModuleScheduling`, its units handed out in collection order: xdist's own reordering by test count
+    would put the team tests anywhere, and they go first (below)."""
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the team stack's tests first: they are one worker's longest unit of work, and
+    the other worker takes the rest meanwhile. A serial run keeps the collection order: the team tests come
+    near the end, so the stack idles only through the last folder's tests."""
+    in_team = {item.nodeid: item.nodeid.startswith(TEAM_STACK_UNIT) for item in items}
+    outside = [
+        item.nodeid for item in items if "team_stack" in getattr(item, "fixturenames", ()) and not in_team[item.nodeid]
+    ]
+    if outside:
+        raise pytest.UsageError(f"tests that use the team stack belong in {TEAM_STACK_UNIT}: {outside}")
+    if hasattr(config, "workerinput"):  # an xdist worker
+        items.sort(key=lambda item: not in_team[item.nodeid])
