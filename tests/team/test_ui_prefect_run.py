@@ -18,6 +18,7 @@ from fixtures.team.prefect_ui import (
     form_field,
     log_in,
     open_custom_run,
+    open_flow_run,
     open_tab,
     prefect_client,
     state_badge,
@@ -30,9 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("browser")]
 
 
 def test_the_form_starts_a_run_that_a_worker_follows_to_completed(
-    ui_pipeline_run: UIPipelineRun, team_stack: TeamStack, screenshots: Screenshots
+    ui_pipeline_run: UIPipelineRun, team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
 ) -> None:
-    page = ui_pipeline_run.page
+    page = new_page()
+    open_flow_run(page, team_stack, ui_pipeline_run.url)
     expect(state_badge(page)).to_have_text("Completed")
     expect(page.get_by_text("Worker 'ProcessWorker").first).to_be_visible()  # the Logs tab, open first
     screenshots.take(page, "prefect-run-completed")
@@ -44,9 +46,10 @@ def test_the_form_starts_a_run_that_a_worker_follows_to_completed(
 
 
 def test_the_completed_run_shows_its_stage_summaries_and_evaluation(
-    ui_pipeline_run: UIPipelineRun, screenshots: Screenshots
+    ui_pipeline_run: UIPipelineRun, team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
 ) -> None:
-    page = ui_pipeline_run.page
+    page = new_page()
+    open_flow_run(page, team_stack, ui_pipeline_run.url)
     open_tab(page, "Artifacts")
     for key in ("pipeline-summary", "sft-summary", "reward-summary", "ppo-summary", "evaluate-report"):
         expect(page.get_by_text(key, exact=True).first).to_be_visible()
