@@ -5,8 +5,8 @@ figures (each with its 95% interval where it has one):
 - the policy reward model's and the judge's skill beyond length on their validation pairs: accuracy on
   length-matched pairs and the AUC the reward margin adds to length (rlhf_core/reward/length_metrics.py;
   metrics.json of the reward stage, `val/...`);
-- how the policy reward model ranked the SFT policy's replies by length (`sft_reward_length_spearman` of
-  the PPO run: the length the reward pays for);
+- how the policy reward model ranked the SFT policy's replies by length (`reward_length_spearman_sft` of
+  the PPO run, rlhf_core/stages/ppo.py: the length the reward pays for);
 - the evaluation's length ratio and its length-matched pairs' count and win minus loss.
 
 The limit named is the first that the figures show, in the order the pipeline depends on them: a policy
@@ -98,7 +98,7 @@ class RefusalFigures(BaseModel):
         return cls(
             policy_reward=RewardSkill.from_metrics(policy_reward),
             judge=None if judge is None else RewardSkill.from_metrics(judge),
-            sft_reward_length_spearman=training.get("sft_reward_length_spearman"),
+            sft_reward_length_spearman=training.get("reward_length_spearman_sft"),
             length_ratio=evaluation.get("length_ratio"),
             length_matched_pairs=None if pairs is None else int(pairs),
             length_matched_margin=measured(evaluation, "length_matched/win_minus_loss"),

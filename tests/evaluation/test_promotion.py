@@ -158,9 +158,11 @@ def test_a_rejection_is_a_completed_flow_run_named_rejected_with_the_reason(prom
     assert state.message.startswith("rejected: Version 2 stays the challenger")
     assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in state.message
     assert "kl_to_reference = 0.9 (<= 0.3): FAIL" in promotion.artifacts["B"]["promotion-decision"]
-    # under the failed checks, why: the reward models' stage runs are not named here, so their figures are n/a
+    # under the failed checks, why: the reward models' stage runs are not named here, so their figures are n/a;
+    # the PPO run's are
     why = state.message[state.message.index("Why: ") :]
     assert "policy reward model length-matched accuracy n/a" in why and "evaluation length ratio 1.00" in why
+    assert "reward-length Spearman on the SFT policy's replies -0.30" in why  # the PPO run's own figure
     assert why.split(" Judged")[0].split(" Evaluation:")[0] in promotion.artifacts["B"]["promotion-decision"]
     promoted = promotion.server_states["A"]
     assert (promoted.type, promoted.name) == (StateType.COMPLETED, "Completed")

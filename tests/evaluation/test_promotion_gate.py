@@ -14,6 +14,7 @@ from rlhf_core.evaluation.ppo_evidence import ppo_evidence_markdown
 from rlhf_core.evaluation.refusal import RefusalFigures
 from rlhf_core.promotion.evidence import IDENTICAL_MODELS, identical_models_evidence
 from rlhf_core.promotion.gate import NO_COLLAPSE_BOUND, NOT_IDENTIFIABLE, NOT_REQUIRED
+from rlhf_core.stages.ppo import sft_reward_length_spearman
 from tasks.promotion.figures import figures_against_sft
 from tasks.promotion.promote_tasks import GateCheck, PromotionResult, gate_checks
 
@@ -317,7 +318,8 @@ REFUSED_EVALUATION = {
 
 
 def test_a_refusal_says_what_limits_it_from_the_measured_figures() -> None:
-    training = {**GOOD_TRAINING, "sft_reward_length_spearman": -0.55}
+    # the PPO stage's own figure, from its rollouts of the SFT policy
+    training = {**GOOD_TRAINING, **sft_reward_length_spearman([{"step": 1, "reward/length_spearman": -0.55}], 0)}
     figures = RefusalFigures.gather(POLICY_REWARD_AT_CHANCE, JUDGE_SKILLED, training, REFUSED_EVALUATION)
     assert figures.paragraph() == (
         "Why: the policy reward model ranks length-matched pairs at chance (0.55 (0.43-0.66)): PPO can learn "
