@@ -38,6 +38,7 @@ pytest_plugins = [
     "fixtures.team.browser",
     "fixtures.team.ui_pipeline",
     "fixtures.team.mlflow_ui",
+    "fixtures.team.prefect_ui",
 ]
 
 
@@ -184,11 +185,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under pytest-xdist, the team stack's tests first: they are one worker's longest unit of work, and
     the other worker takes the rest meanwhile. A serial run keeps the collection order: the team tests come
     near the end, so the stack idles only through the last folder's tests."""
-    in_team = {item.nodeid: item.nodeid.startswith(TEAM_STACK_UNIT) for item in items}
-    outside = [
-        item.nodeid for item in items if "team_stack" in getattr(item, "fixturenames", ()) and not in_team[item.nodeid]
-    ]
+
+    def in_team(item: pytest.Item) -> bool:
+        return item.nodeid.startswith(TEAM_STACK_UNIT)
+
+    outside = [item.nodeid for item in items if "team_stack" in getattr(item, "fixturenames", ()) and not in_team(item)]
     if outside:
         raise pytest.UsageError(f"tests that use the team stack belong in {TEAM_STACK_UNIT}: {outside}")
     if hasattr(config, "workerinput"):  # an xdist worker
-        items.sort(key=lambda item: not in_team[item.nodeid])
+        items.sort(key=lambda item: not in_team(item))

@@ -317,14 +317,9 @@ def judge_figures(judge: JudgeInfo, pairs: Sequence[JudgedPair]) -> dict[str, fl
 
 
 def summarise_alignment_tax(tax: AlignmentTax) -> AlignmentTaxSummary:
-    """The report's copy of the alignment tax."""
-    return AlignmentTaxSummary(
-        replies=tax.replies,
-        perplexity_a=tax.perplexity_a,
-        perplexity_b=tax.perplexity_b,
-        change=tax.change,
-        relative_change=tax.relative_change,
-    )
+    """The report's copy of the alignment tax, its derived figures included (pydantic reads them as
+    attributes)."""
+    return AlignmentTaxSummary.model_validate(tax, from_attributes=True)
 
 
 def is_similar_length(tokens_a: int, tokens_b: int, ratio: float = SIMILAR_LENGTH_RATIO) -> bool:

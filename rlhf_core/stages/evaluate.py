@@ -109,6 +109,51 @@ def check_judge(judge: str, rm_dir: Path | None) -> None:
         raise ValueError("the reward-model judge needs a reward model: pass rm_dir (a train-rm output directory)")
 
 
+def main_replies(
+    config: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[EvalPrompt],
+    label: str | None = None,
+) -> list[Reply]:
+    """The main reply to each prompt (seed `seed`): the one the judge compares. With `label`, a progress
+    bar named by it counts them."""
+    settings = config.evaluation
+    return generate_replies(
+        model,
+        tokenizer,
+        [prompt.prompt for prompt in prompts],
+        settings.generation,
+        settings.batch_size,
+        config.seed,
+        desc=None if label is None else f"eval: {label}",
+    )
+
+
+def extra_replies(
+    config: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[EvalPrompt],
+    label: str | None = None,
+) -> list[list[Reply]]:
+    """For the length-matched pairs, the `evaluation.length_matched_samples - 1` further replies to each
+    prompt (seed `seed + 1`; none when it is 1). With `label`, a progress bar named by it counts them."""
+    settings = config.evaluation
+    if settings.length_matched_samples == 1:
+        return [[] for _ in prompts]
+    return sample_replies(
+        model,
+        tokenizer,
+        [prompt.prompt for prompt in prompts],
+        settings.generation,
+        settings.batch_size,
+        config.seed + EXTRA_SAMPLES_SEED_OFFSET,
+        settings.length_matched_samples - 1,
+        desc=None if label is None else f"eval: {label}, length-matched samples",
+    )
+
+
 def draw_replies(
     config: Config,
     model: PreTrainedModel,
@@ -116,33 +161,10 @@ def draw_replies(
     prompts: Sequence[EvalPrompt],
     label: str | None,
 ) -> tuple[list[Reply], list[list[Reply]]]:
-    """The main reply to each prompt (seed `seed`) and, for the length-matched pairs, the
-    `evaluation.length_matched_samples - 1` further replies to each (seed `seed + 1`); with `label`,
-    progress bars named by it count them."""
-    settings = config.evaluation
-    messages = [prompt.prompt for prompt in prompts]
-    main = generate_replies(
-        model,
-        tokenizer,
-        messages,
-        settings.generation,
-        settings.batch_size,
-        config.seed,
-        desc=None if label is None else f"eval: {label}",
+    """The main reply to each prompt and the further ones for the length-matched pairs."""
+    return main_replies(config, model, tokenizer, prompts, label), extra_replies(
+        config, model, tokenizer, prompts, label
     )
-    if settings.length_matched_samples == 1:
-        return main, [[] for _ in prompts]
-    extra = sample_replies(
-        model,
-        tokenizer,
-        messages,
-        settings.generation,
-        settings.batch_size,
-        config.seed + EXTRA_SAMPLES_SEED_OFFSET,
-        settings.length_matched_samples - 1,
-        desc=None if label is None else f"eval: {label}, length-matched samples",
-    )
-    return main, extra
 
 
 def sample_model_replies(

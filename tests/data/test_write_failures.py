@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -198,26 +199,28 @@ def test_sft_onto_a_full_disk_is_one_line_and_leaves_no_metrics(
         assert not (disk / "sft" / METRICS_FILE).exists() and not (disk / "sft" / "model").exists()
 
 
+@pytest.fixture
 def run_tiny_pipeline(
-    runs_dir: Path, pairs_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> tuple[int, str]:
-    """`rlhf run` on the tiny configuration into `runs_dir`, in this process: status and stderr."""
-    argv = ["run", "-c", str(TINY), "--params", str(PARAMS), "--data", str(pairs_file), "--runs-dir", str(runs_dir)]
-    return run_main(argv, monkeypatch, capsys)
+    pairs_file: Path, mlflow_store: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[[Path], tuple[int, str]]:
+    """`rlhf run` on the tiny configuration into a runs directory, in this process (tracked in the test's
+    MLflow store): its status and stderr."""
+
+    def run(runs_dir: Path) -> tuple[int, str]:
+        argv = ["run", "-c", str(TINY), "--params", str(PARAMS), "--data", str(pairs_file)]
+        return run_main([*argv, "--runs-dir", str(runs_dir)], monkeypatch, capsys)
+
+    return run
 
 
 @pytest.mark.slow  # runs the pipeline's flow against the test Prefect server up to its SFT stage
 def test_rlhf_run_onto_a_full_disk_stops_at_once_naming_the_stage_output(
-    tmp_path: Path,
-    pairs_file: Path,
-    mlflow_store: object,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, run_tiny_pipeline: Callable[[Path], tuple[int, str]]
 ) -> None:
     """2 MiB for the runs directory: data preparation fits, SFT's first checkpoint does not. The stage is
     not retried (a full disk stays full), its output has no metrics.json, and the last line names it."""
     with small_tmpfs(tmp_path / "disk", size_kib=2048) as disk:
-        status, stderr = run_tiny_pipeline(disk / "runs", pairs_file, monkeypatch, capsys)
+        status, stderr = run_tiny_pipeline(disk / "runs")
         assert status == 1
         (run_dir,) = [
             path for path in (disk / "runs").iterdir() if not path.name.startswith(".") and path.name != "logs"
@@ -231,14 +234,10 @@ def test_rlhf_run_onto_a_full_disk_stops_at_once_naming_the_stage_output(
 
 @pytest.mark.slow  # runs the pipeline's flow against the test Prefect server
 def test_rlhf_run_into_a_read_only_runs_directory_is_one_line_naming_it(
-    tmp_path: Path,
-    pairs_file: Path,
-    mlflow_store: object,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, run_tiny_pipeline: Callable[[Path], tuple[int, str]]
 ) -> None:
     with read_only_directory(tmp_path / "ro") as directory:
-        status, stderr = run_tiny_pipeline(directory / "runs", pairs_file, monkeypatch, capsys)
+        status, stderr = run_tiny_pipeline(directory / "runs")
         reason = "read-only file system" if os.geteuid() == 0 else "permission denied"
         assert status == 1
         # The first stage's output (runs/<run id>/data) is the first thing written, and the line names it

@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +26,13 @@ from rlhf_core.evaluation.length_control import AnchorRows, LengthControlledWinR
 from rlhf_core.evaluation.model_dirs import resolve_model_dir
 from rlhf_core.evaluation.plots import plot_win_tie_lose
 from rlhf_core.evaluation.prompts import category_of, evaluation_prompts
-from rlhf_core.evaluation.report import JudgedPair, build_report, is_similar_length, summarise_outcomes
+from rlhf_core.evaluation.report import (
+    EvaluationReport,
+    JudgedPair,
+    build_report,
+    is_similar_length,
+    summarise_outcomes,
+)
 from rlhf_core.evaluation.report_markdown import render_markdown
 from rlhf_core.models.chat import encode_conversation
 from rlhf_core.models.tiny import build_tiny_model, load_tiny_model
@@ -39,6 +47,11 @@ RM_JUDGE = JudgeInfo(
     description="reward model rm-dir (IN-SAMPLE)",
     in_sample=True,
 )
+
+
+def ppo_against_sft(pairs: Sequence[JudgedPair], **options: Any) -> EvaluationReport:
+    """`build_report` of `pairs` as a PPO policy (A) against its SFT model (B), judged by `RM_JUDGE`."""
+    return build_report(pairs, RM_JUDGE, "ppo", "sft", GENERATION, **options)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +106,7 @@ def judged_pairs() -> list[JudgedPair]:
 
 
 def test_report_breaks_down_by_category_and_length() -> None:
-    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, resamples=500)
+    report = ppo_against_sft(judged_pairs(), seed=0, resamples=500)
     assert report.overall.wins == 8 and report.overall.losses == 3 and report.overall.invalid == 1
     assert set(report.by_category) == {"harmless", "helpful"}
     assert report.by_category["helpful"].wins == 4 and report.by_category["helpful"].invalid == 1
@@ -143,7 +156,7 @@ def test_the_paired_mean_score_difference_and_its_interval() -> None:
         for i, judgement in enumerate(judgements)
     ]
     rows.append(JudgedPair("no-scores", "only", 10, 10, TIE))  # a pair the judge gave no scores for: left out
-    report = build_report(rows, RM_JUDGE, "ppo", "sft", GENERATION, seed=3, resamples=400)
+    report = ppo_against_sft(rows, seed=3, resamples=400)
 
     mean, low, high = reference_mean_interval([a - b for a, b in scores], seed=3, resamples=400)
     assert report.score_diff is not None and report.score_diff.pairs == len(scores)
@@ -158,13 +171,13 @@ def test_the_paired_mean_score_difference_and_its_interval() -> None:
     assert f"mean {mean:+.4g} (95% paired bootstrap interval {low:+.4g} to {high:+.4g}) over 7 pairs" in (
         render_markdown(report)
     )
-    assert build_report(rows, RM_JUDGE, "ppo", "sft", GENERATION, seed=3, resamples=400) == report  # seeded
+    assert ppo_against_sft(rows, seed=3, resamples=400) == report  # seeded
     assert type(report).model_validate_json(report.model_dump_json()) == report
 
 
 def test_a_judge_without_scores_reports_no_score_difference() -> None:
     assert Judgement(verdict=A, detail={"order_1": "A"}).score_diff is None
-    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, resamples=100)
+    report = ppo_against_sft(judged_pairs(), seed=0, resamples=100)
     assert report.score_diff is None
     assert not any(name.startswith("score_diff") for name in report.metrics())
     assert "Judge score of A's reply minus B's" not in render_markdown(report)
@@ -172,7 +185,7 @@ def test_a_judge_without_scores_reports_no_score_difference() -> None:
 
 def test_metrics_markdown_and_chart(tmp_path: Path) -> None:
     tax = AlignmentTax(replies=13, perplexity_a=12.0, perplexity_b=10.0)
-    report = build_report(judged_pairs(), RM_JUDGE, "ppo", "sft", GENERATION, seed=0, alignment_tax=tax, resamples=500)
+    report = ppo_against_sft(judged_pairs(), seed=0, alignment_tax=tax, resamples=500)
     metrics = report.metrics()
     assert metrics["win_rate"] == pytest.approx(8 / 12)
     assert metrics["win_minus_loss"] == pytest.approx(5 / 12)
@@ -248,12 +261,8 @@ def test_the_report_leads_with_the_length_controlled_figures() -> None:
     anchors = length_biased_anchors(80, seed=1)
     matched = [JudgedPair(f"m{i}", "only", 30, 28, [A, B, TIE][i % 3]) for i in range(61)]
     tax = AlignmentTax(replies=10, perplexity_a=11.0, perplexity_b=10.0)
-    report = build_report(
+    report = ppo_against_sft(
         pairs,
-        RM_JUDGE,
-        "ppo",
-        "sft",
-        GENERATION,
         seed=1,
         alignment_tax=tax,
         resamples=300,
@@ -303,17 +312,7 @@ def test_without_enough_anchor_pairs_the_report_says_not_identifiable_and_gives_
         (None, 20, "no anchor pairs"),
         (length_biased_anchors(80, seed=1), 81, "anchor pairs reach the compared pairs' median |dlen|"),
     ):
-        report = build_report(
-            pairs,
-            RM_JUDGE,
-            "ppo",
-            "sft",
-            GENERATION,
-            seed=1,
-            resamples=50,
-            anchor_pairs=anchors,
-            min_anchor_pairs=minimum,
-        )
+        report = ppo_against_sft(pairs, seed=1, resamples=50, anchor_pairs=anchors, min_anchor_pairs=minimum)
         metrics = report.metrics()
         assert metrics["lc_identifiable"] == 0 and "lc_win_rate" not in metrics and "lc_win_rate_low" not in metrics
         line = next(line for line in render_markdown(report).splitlines() if "Length-controlled win rate" in line)

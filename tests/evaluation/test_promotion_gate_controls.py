@@ -50,7 +50,7 @@ from fixtures.tiny_ppo import hh_pair, tiny_config
 from rlhf_core.config import CollapseGuardConfig, Config, EvaluationConfig
 from rlhf_core.data.prepare import load_split
 from rlhf_core.evaluation.alignment_tax import AlignmentTax, reply_perplexity
-from rlhf_core.evaluation.generation import Reply, generate_replies, sample_replies
+from rlhf_core.evaluation.generation import Reply
 from rlhf_core.evaluation.judged_pairs import judged_pairs
 from rlhf_core.evaluation.judges.reward_model import margin_verdict
 from rlhf_core.evaluation.judges.verdicts import EvalPair, JudgeInfo, Judgement
@@ -66,23 +66,24 @@ from rlhf_core.evaluation.report import JudgedPair, build_report
 from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.tiny import build_tiny_model
 from rlhf_core.promotion.gate import GUARD_DISABLED, NO_COLLAPSE_BOUND, gate_checks
-from rlhf_core.stages.evaluate import GENERATIONS_FILE
+from rlhf_core.stages.evaluate import GENERATIONS_FILE, extra_replies, main_replies
 from rlhf_core.stages.prepare_data import run_prepare_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SOURCE_PAIRS = 120
 DEFAULT_EVALUATION = EvaluationConfig()  # the default thresholds of the anchored fit, not tiny.yaml's
+SAMPLES = 4  # replies per prompt and model (evaluation.length_matched_samples)
 SETTINGS = (
     "data.max_eval_pairs=null",
     "data.eval_fraction=0.3",
     "evaluation.generation.max_new_tokens=24",
+    f"evaluation.length_matched_samples={SAMPLES}",
     f"evaluation.min_anchor_pairs={DEFAULT_EVALUATION.min_anchor_pairs}",
     f"evaluation.min_informative_pairs={DEFAULT_EVALUATION.min_informative_pairs}",
 )
 COLLAPSE_BIAS = 8.5  # on the end-of-turn logit: about 1 in 10 tokens ends the reply (the random SFT's: 1 in 49k)
 BASELINE_EOT_BIAS = 7.5  # about 1 in 27 tokens ends the reply: lengths spread below the 24-token cap
-SAMPLES = 4  # replies per prompt and model, as evaluation.length_matched_samples
 PREFERRED_WORDS_BIAS = 5.0  # on the logits of the preferred replies' tokens
 BREVITY_JUDGE_NOISE = 4.0  # tokens: the brevity judge's score is minus the length plus this much noise
 SHARP_JUDGE_NOISE = 1.0  # tokens: the length judges of the baseline's replies, a few tokens apart, decide on length
@@ -157,19 +158,11 @@ def vocabulary_judge(tokenizer: PreTrainedTokenizerBase, preferred: set[int]) ->
 def answers(
     config: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[EvalPrompt]
 ) -> tuple[list[Reply], float]:
-    """A model's replies to `prompts` and its perplexity on their held-out chosen replies (the eval stage's
-    `model_replies`, for a model in memory)."""
-    replies = generate_replies(
-        model,
-        tokenizer,
-        [p.prompt for p in prompts],
-        config.evaluation.generation,
-        config.evaluation.batch_size,
-        config.seed,
-    )
+    """A model's main reply to each prompt and its perplexity on their held-out chosen replies (the eval
+    stage's `sample_model_replies` without the length-matched samples, for a model in memory)."""
     references = [(prompt.prompt, prompt.reference_reply) for prompt in prompts]
     perplexity, _ = reply_perplexity(model, tokenizer, references, config.sft.max_length, config.sft.micro_batch_size)
-    return replies, perplexity
+    return main_replies(config, model, tokenizer, prompts), perplexity
 
 
 def one_each(answers: tuple[list[Reply], float]) -> tuple[list[list[Reply]], float]:
@@ -180,20 +173,11 @@ def one_each(answers: tuple[list[Reply], float]) -> tuple[list[list[Reply]], flo
 def sampled_answers(
     config: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[EvalPrompt]
 ) -> tuple[list[list[Reply]], float]:
-    """A model's `SAMPLES` replies to each prompt (the eval stage's `draw_replies`: the main reply from
-    `seed`, the others from `seed + 1`) and its perplexity on the prompts' held-out chosen replies."""
+    """A model's `SAMPLES` replies to each prompt, the main one first, as the eval stage draws them, and its
+    perplexity on the prompts' held-out chosen replies."""
     main, perplexity = answers(config, model, tokenizer, prompts)
-    settings = config.evaluation
-    extra = sample_replies(
-        model,
-        tokenizer,
-        [p.prompt for p in prompts],
-        settings.generation,
-        settings.batch_size,
-        config.seed + 1,
-        SAMPLES - 1,
-    )
-    return [[first, *others] for first, others in zip(main, extra)], perplexity
+    extra = extra_replies(config, model, tokenizer, prompts)
+    return [[first, *others] for first, others in zip(main, extra, strict=True)], perplexity
 
 
 def judged(rows: list[dict], judge: RuleJudge, path: Path) -> list[JudgedPair]:

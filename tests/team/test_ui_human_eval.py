@@ -7,7 +7,6 @@ of the other judges' files, agree with what was answered, and are the run's `hum
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from itertools import cycle
 
 import pytest
@@ -26,7 +25,6 @@ from fixtures.team.prefect_ui import (
     add_list_items,
     fill_optional_text,
     form_field,
-    log_in,
     open_custom_run,
     open_tab,
     prefect_client,
@@ -65,35 +63,33 @@ def start_session(page: Page, stack: TeamStack, eval_dir: str, session: str) -> 
 
 
 def test_people_read_each_pair_on_the_form_and_their_verdicts_are_reported_like_the_other_judges(
-    ui_pipeline_run: UIPipelineRun, team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    ui_pipeline_run: UIPipelineRun, team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
     eval_dir = pipeline_eval_dir(team_stack.project_dir, ui_pipeline_run.flow_run_id)
     session = eval_dir.parent / "human-eval"
-    page = new_page()
-    log_in(page, team_stack)
-    start_session(page, team_stack, str(eval_dir), str(session))
-    flow_run_id = submit_run(page)
+    start_session(prefect_page, team_stack, str(eval_dir), str(session))
+    flow_run_id = submit_run(prefect_page)
 
     choices, answered, forms = cycle(list(Preference)), {}, set()
     while (form := wait_for_form(team_stack, flow_run_id, forms)) is not None:
         shown = {pair.planned.position: pair for pair in load_session(team_stack.project_dir / session).shown()}
-        dialog = open_resume_dialog(page)
+        dialog = open_resume_dialog(prefect_page)
         for position in asked_positions(dialog):
-            question = form_field(page, pair_question(position, len(shown)), within=dialog)
+            question = form_field(prefect_page, pair_question(position, len(shown)), within=dialog)
             pair_is_shown(question, shown[position])
             choice = next(choices)
-            choose(page, question, choice.value)
+            choose(prefect_page, question, choice.value)
             answered[shown[position].planned.pair_key] = unswap(choice, shown[position].planned.swapped)
         if not forms:
-            screenshots.take(page, "prefect-human-eval-form")
+            screenshots.take(prefect_page, "prefect-human-eval-form")
         dialog.get_by_role("button", name="Submit").click()
         expect(dialog).to_be_hidden()
         forms.add(form)
 
-    wait_for_final_state(page)
-    expect(state_badge(page)).to_have_text("Completed")
-    open_tab(page, "Artifacts")
-    expect(page.get_by_text("human-eval-report", exact=True).first).to_be_visible()
+    wait_for_final_state(prefect_page)
+    expect(state_badge(prefect_page)).to_have_text("Completed")
+    open_tab(prefect_page, "Artifacts")
+    expect(prefect_page.get_by_text("human-eval-report", exact=True).first).to_be_visible()
     with prefect_client(team_stack) as client:
         assert client.read_flow_run(flow_run_id).state.is_completed()
     assert len(answered) == len(shown) and len(forms) == -(-len(shown) // BATCH_SIZE)

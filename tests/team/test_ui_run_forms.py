@@ -5,13 +5,11 @@ on the form, naming the field, and starts nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 from playwright.sync_api import Page, expect
 
 from fixtures.team.browser import Screenshots
-from fixtures.team.prefect_ui import flow_run_count, form_field, log_in, open_custom_run
+from fixtures.team.prefect_ui import form_field, open_custom_run, starts_no_run
 from fixtures.team.team_stack import TeamStack
 
 # The browser first: without one the tests skip before the team stack starts.
@@ -30,46 +28,38 @@ def labels(page: Page) -> list[str]:
 
 @pytest.mark.parametrize(("deployment", "fields"), [("rlhf-retrain", RETRAIN), ("rlhf-ablation", ABLATION)])
 def test_the_form_shows_the_shared_settings_first_in_their_declared_order(
-    deployment: str, fields: list[str], team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    deployment: str, fields: list[str], team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
-    page = new_page()
-    log_in(page, team_stack)
-    open_custom_run(page, team_stack, deployment)
+    open_custom_run(prefect_page, team_stack, deployment)
     for field in fields:
-        expect(form_field(page, f"{field} (Optional)")).to_be_visible()
-    assert labels(page) == ["settings", *fields]
-    screenshots.take(page, f"prefect-{deployment}-form")
+        expect(form_field(prefect_page, f"{field} (Optional)")).to_be_visible()
+    assert labels(prefect_page) == ["settings", *fields]
+    screenshots.take(prefect_page, f"prefect-{deployment}-form")
 
 
 def test_a_retrain_whose_overrides_are_not_a_list_is_refused_on_the_field(
-    team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
-    page = new_page()
-    log_in(page, team_stack)
-    runs_before = flow_run_count(team_stack, "rlhf-retrain")
-    open_custom_run(page, team_stack, "rlhf-retrain")
-    overrides = form_field(page, "Overrides (Optional)")
-    overrides.get_by_role("button").first.click()  # the field's menu
-    page.get_by_role("button", name="Use JSON input").click()
-    overrides.get_by_role("textbox").fill('"sft.max_steps=2"')  # one string where a list belongs
-    page.get_by_role("button", name="Submit").click()
-    # How the UI words a JSON-typed value of the wrong type, under the field.
-    expect(overrides.get_by_text("'sft.max_steps=2' is not valid under any of the given schemas")).to_be_visible()
-    screenshots.take(page, "prefect-retrain-form-refused")
-    assert flow_run_count(team_stack, "rlhf-retrain") == runs_before
+    with starts_no_run(team_stack, "rlhf-retrain"):
+        open_custom_run(prefect_page, team_stack, "rlhf-retrain")
+        overrides = form_field(prefect_page, "Overrides (Optional)")
+        overrides.get_by_role("button").first.click()  # the field's menu
+        prefect_page.get_by_role("button", name="Use JSON input").click()
+        overrides.get_by_role("textbox").fill('"sft.max_steps=2"')  # one string where a list belongs
+        prefect_page.get_by_role("button", name="Submit").click()
+        # How the UI words a JSON-typed value of the wrong type, under the field.
+        expect(overrides.get_by_text("'sft.max_steps=2' is not valid under any of the given schemas")).to_be_visible()
+        screenshots.take(prefect_page, "prefect-retrain-form-refused")
 
 
 def test_an_ablation_variant_without_a_name_and_preset_is_refused_naming_both(
-    team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
-    page = new_page()
-    log_in(page, team_stack)
-    runs_before = flow_run_count(team_stack, "rlhf-ablation")
-    open_custom_run(page, team_stack, "rlhf-ablation")
-    variants = form_field(page, "Variants (Optional)")
-    variants.get_by_role("button", name="Add item").click()
-    page.get_by_role("button", name="Submit").click()
-    expect(variants.get_by_text("'name' is a required property")).to_be_visible()
-    expect(variants.get_by_text("'preset' is a required property")).to_be_visible()
-    screenshots.take(page, "prefect-ablation-form-refused")
-    assert flow_run_count(team_stack, "rlhf-ablation") == runs_before
+    with starts_no_run(team_stack, "rlhf-ablation"):
+        open_custom_run(prefect_page, team_stack, "rlhf-ablation")
+        variants = form_field(prefect_page, "Variants (Optional)")
+        variants.get_by_role("button", name="Add item").click()
+        prefect_page.get_by_role("button", name="Submit").click()
+        expect(variants.get_by_text("'name' is a required property")).to_be_visible()
+        expect(variants.get_by_text("'preset' is a required property")).to_be_visible()
+        screenshots.take(prefect_page, "prefect-ablation-form-refused")

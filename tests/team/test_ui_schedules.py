@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import Locator, Page, expect
 
 from fixtures.team.browser import Screenshots
-from fixtures.team.prefect_ui import log_in, open_deployment, prefect_client
+from fixtures.team.prefect_ui import open_deployment, prefect_client
 from fixtures.team.team_stack import TeamStack
 
 # The browser first: without one the tests skip before the team stack starts.
@@ -54,26 +54,22 @@ def automation_enabled(team_stack) -> bool:
 
 
 def test_the_retrain_schedule_is_shown_and_paused_and_resumed(
-    team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
-    page = new_page()
-    log_in(page, team_stack)
-    open_deployment(page, team_stack, "rlhf-retrain")
-    expect(page.get_by_role("link", name=AUTOMATION)).to_be_visible()
-    switch = switch_beside(page, page.get_by_text(SCHEDULE_SHOWN))
+    open_deployment(prefect_page, team_stack, "rlhf-retrain")
+    expect(prefect_page.get_by_role("link", name=AUTOMATION)).to_be_visible()
+    switch = switch_beside(prefect_page, prefect_page.get_by_text(SCHEDULE_SHOWN))
     expect(switch).to_be_checked()
-    screenshots.take(page, "prefect-retrain-schedule")
-    pause_and_resume(page, switch, lambda: schedule_active(team_stack))
+    screenshots.take(prefect_page, "prefect-retrain-schedule")
+    pause_and_resume(prefect_page, switch, lambda: schedule_active(team_stack))
 
 
 def test_the_new_data_automation_is_shown_and_paused_and_resumed(
-    team_stack: TeamStack, new_page: Callable[..., Page], screenshots: Screenshots
+    team_stack: TeamStack, prefect_page: Page, screenshots: Screenshots
 ) -> None:
-    page = new_page()
-    log_in(page, team_stack)
-    page.goto(f"{team_stack.prefect_ui_url}/automations")
-    expect(page.get_by_text("Retrain when `rlhf data add` pushes a new version")).to_be_visible()
-    switch = switch_beside(page, page.get_by_role("link", name=AUTOMATION))
+    prefect_page.goto(f"{team_stack.prefect_ui_url}/automations")
+    expect(prefect_page.get_by_text("Retrain when `rlhf data add` pushes a new version")).to_be_visible()
+    switch = switch_beside(prefect_page, prefect_page.get_by_role("link", name=AUTOMATION))
     expect(switch).to_be_checked()
-    screenshots.take(page, "prefect-retrain-automation")
-    pause_and_resume(page, switch, lambda: automation_enabled(team_stack))
+    screenshots.take(prefect_page, "prefect-retrain-automation")
+    pause_and_resume(prefect_page, switch, lambda: automation_enabled(team_stack))
