@@ -2,8 +2,8 @@
 does not define its own copies (tests/project/test_shared_fixtures.py checks).
 
 Real Prefect, MLflow and S3 servers on loopback ports (session-scoped): tests/fixtures/servers.py.
-A real Chromium for the web-UI tests, and the one pipeline run they start in the Prefect UI:
-tests/fixtures/team/browser.py, tests/fixtures/team/ui_pipeline.py.
+The team stack, a real Chromium for the web-UI tests and the one pipeline run they start in the
+Prefect UI are the fixtures of tests/team/ alone: tests/team/conftest.py.
 Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repository's paths (`ROOT`,
 `PARAMS`, `TINY`, ...): tests/fixtures/paths.py.
 """
@@ -30,16 +30,7 @@ if TYPE_CHECKING:
 
     from fixtures.tiny_ppo import StageInputs
 
-pytest_plugins = [
-    "fixtures.servers",
-    "fixtures.infra_files",
-    "fixtures.promotion_scenario",
-    "fixtures.team.team_stack",
-    "fixtures.team.browser",
-    "fixtures.team.ui_pipeline",
-    "fixtures.team.mlflow_ui",
-    "fixtures.team.prefect_ui",
-]
+pytest_plugins = ["fixtures.servers", "fixtures.infra_files", "fixtures.promotion_scenario"]
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,16 @@ def plugin_paths() -> list[Path]:
     return []
 
 
+def imported_fixture_paths(conftest: Path) -> list[Path]:
+    """The modules of tests/fixtures/ a conftest.py imports fixtures from (tests/team/conftest.py)."""
+    modules = [node.module for node in parse(conftest).body if isinstance(node, ast.ImportFrom) and node.module]
+    return [TESTS / (name.replace(".", "/") + ".py") for name in modules if name.startswith("fixtures.")]
+
+
 def shared_fixture_names() -> set[str]:
     names = fixture_names(parse(CONFTEST))
-    for path in plugin_paths():
+    imported = [path for conftest in TESTS.rglob("conftest.py") for path in imported_fixture_paths(conftest)]
+    for path in [*plugin_paths(), *imported]:
         names |= fixture_names(parse(path))
     return names
 
@@ -92,7 +99,7 @@ def test_no_test_module_works_out_the_repository_root() -> None:
 
 def test_no_test_module_redefines_a_shared_fixture() -> None:
     shared = shared_fixture_names()
-    assert {"inputs", "data_dir", "tokenizer", "one_thread"} <= shared  # the parse finds conftest's fixtures
+    assert {"inputs", "data_dir", "tokenizer", "one_thread", "team_stack"} <= shared  # the parse finds them all
     offenders = {
         path.name: sorted(redefined) for path in suite_modules() if (redefined := fixture_names(parse(path)) & shared)
     }
