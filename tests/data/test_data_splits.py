@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -97,17 +98,8 @@ def test_adding_data_keeps_every_prompt_in_its_split_regardless_of_order() -> No
 
 
 def test_caps_keep_lowest_hash_pairs_independent_of_order_and_never_move_the_rest() -> None:
-    capped = SplitConfig(
-        eval_fraction=0.1,
-        rm_val_fraction=0.1,
-        ppo_fraction=0.3,
-        salt="test-salt",
-        max_eval_pairs=7,
-        max_rm_val_pairs=5,
-        max_rm_train_pairs=40,
-        max_ppo_prompts=9,
-        max_sft_examples=30,
-    )
+    caps = {"max_eval_pairs": 7, "max_rm_val_pairs": 5, "max_rm_train_pairs": 40, "max_ppo_prompts": 9}
+    capped = replace(CONFIG, **caps, max_sft_examples=30)
     pairs = make_pairs(range(400))
     uncapped = split_pairs(pairs, CONFIG)
     shuffled = list(pairs)
