@@ -11,6 +11,7 @@ Tiny-model stage inputs and `tiny_config`: tests/fixtures/tiny_ppo.py. The repos
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -152,7 +153,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 # pytest-xdist (`-n 2`, README's Tests) hands each worker whole modules, so that a module's fixtures (a
 # trained tiny pipeline, a pair of work pools) are built once, not once per worker; and all of tests/team/ as
-# one unit: the team stack is a session fixture, and split over two workers it would start twice (two
+# one unit: the team stack is a fixture of that package, and split over two workers it would start twice (two
 # minutes of both cores, two browsers).
 TEAM_STACK_UNIT = "tests/team/"
 
@@ -163,6 +164,18 @@ class ModuleScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
         return TEAM_STACK_UNIT if module.startswith(TEAM_STACK_UNIT) else module
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's share of the cores, for its own tensors and for the processes its
+    tests start (OMP_NUM_THREADS, which the stages' core split starts from): two workers that each take
+    every core run twice the threads the machine has, and lose time to OpenMP hand-offs
+    (docs/results/test-suite.md). A thread count set by the caller is kept."""
+    if not hasattr(config, "workerinput") or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, torch.get_num_threads() // int(config.workerinput["workercount"]))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleScheduling:

@@ -27,6 +27,7 @@ from fixtures.kill_resume import start_until_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
 from fixtures.processes import group_processes
+from fixtures.servers import seed_prefect_home
 from rlhf_core.stage_outputs import COMPLETE_MARKER, directory_sha256
 
 pytestmark = pytest.mark.slow  # whole `rlhf run` processes, each with a Prefect server
@@ -125,7 +126,10 @@ def start_and_stop(command: list[str], project: Path, stage_glob: str, signal_nu
     return stage_dir
 
 
-def test_sigterm_during_a_stage_stops_within_10_s_leaves_nothing_running_and_the_rerun_resumes(tmp_path: Path) -> None:
+def test_sigterm_during_a_stage_stops_within_10_s_leaves_nothing_running_and_the_rerun_resumes(
+    tmp_path: Path, prefect_database: Path
+) -> None:
+    seed_prefect_home(tmp_path / "prefect-home", prefect_database)
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     command = run_command(data, "reward")
     reward_dir = start_and_stop(command, tmp_path, "*/reward", signal.SIGTERM, to_group=False)
@@ -148,15 +152,21 @@ def test_sigterm_during_a_stage_stops_within_10_s_leaves_nothing_running_and_the
         assert directory_sha256(resumed) == directory_sha256(uninterrupted), stage
 
 
-def test_ctrl_c_at_a_terminal_stops_within_10_s_and_the_flow_run_is_marked_on_its_server(tmp_path: Path) -> None:
+def test_ctrl_c_at_a_terminal_stops_within_10_s_and_the_flow_run_is_marked_on_its_server(
+    tmp_path: Path, prefect_database: Path
+) -> None:
+    seed_prefect_home(tmp_path / "prefect-home", prefect_database)
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     start_and_stop(run_command(data, "sft"), tmp_path, "*/sft", signal.SIGINT, to_group=True)
     assert_marked_crashed(tmp_path, "stopped by SIGINT during stage sft")  # the server outlived the Ctrl-C
 
 
-def test_sigterm_while_the_judge_trains_beside_sft_stops_its_process_too(tmp_path: Path) -> None:
+def test_sigterm_while_the_judge_trains_beside_sft_stops_its_process_too(
+    tmp_path: Path, prefect_database: Path
+) -> None:
     """The judge reward model trains in a process of its own beside SFT (flows/pipeline.py): SIGTERM to the
     command alone (not its group) must stop that process as well, within the same bound."""
+    seed_prefect_home(tmp_path / "prefect-home", prefect_database)
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     command = [*run_command(data, "sft"), "--stage", "judge-reward", "-s", "reward.max_steps=200"]
     start_and_stop(command, tmp_path, "*/sft", signal.SIGTERM, to_group=False)  # no process of its group left

@@ -22,6 +22,7 @@ import pytest
 from fixtures.commands import RLHF_COMMAND
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.servers import seed_prefect_home
 from fixtures.tiny_ppo import save_rm_output, write_stage_inputs
 from rlhf_core.training.checkpoint import complete_checkpoints
 
@@ -49,7 +50,10 @@ def ablate_command(base: Path, runs_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(tmp_path: Path, tokenizer) -> None:
+def test_a_variant_killed_mid_run_resumes_from_its_checkpoint_on_rerun(
+    tmp_path: Path, tokenizer, prefect_database: Path
+) -> None:
+    seed_prefect_home(tmp_path / "prefect-home", prefect_database)
     (tmp_path / "base").mkdir()
     write_stage_inputs(tmp_path / "base")
     save_rm_output(tmp_path / "base" / "judge_reward", tokenizer, seed=2)

@@ -74,16 +74,19 @@ def test_differences_name_the_item_and_the_registry_is_checked_on_its_own() -> N
 
 @pytest.mark.slow  # whole `rlhf run` processes, each with its own Prefect server
 def test_a_run_killed_in_evaluation_and_in_registration_before_any_version_reruns_to_the_same_end(
-    tmp_path: Path,
+    tmp_path: Path, prefect_database: Path
 ) -> None:
     data = write_data(tmp_path)
-    reference, timeline = reference_run(Project(tmp_path / "reference", data))
+    reference, timeline = reference_run(Project(tmp_path / "reference", data, prefect_database))
     spans = {stage: offset for offset, stage in timeline.stage_starts()}
     points = [
         KillPoint(1, "evaluate", "evaluate", (spans["register"] - spans["evaluate"]) / 2, 0.0),
         KillPoint(2, "register", "register", 0.0, spans["register"], until_exists=LOGGED_MODEL_FILES),
     ]
-    results = [sweep_point(Project(tmp_path / f"point-{p.index}", data).create(), p, reference) for p in points]
+    results = [
+        sweep_point(Project(tmp_path / f"point-{p.index}", data, prefect_database).create(), p, reference)
+        for p in points
+    ]
     assert [result.row() for result in results if not result.matches] == []
     assert all(result.killed.killed for result in results), [result.row() for result in results]
     in_registration = results[1]

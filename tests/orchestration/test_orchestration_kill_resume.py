@@ -20,6 +20,7 @@ from fixtures.commands import RLHF_COMMAND, summary_lines
 from fixtures.kill_resume import kill_at_first_checkpoint
 from fixtures.pairs import write_topic_pairs
 from fixtures.paths import PARAMS, ROOT, TINY
+from fixtures.servers import seed_prefect_home
 from rlhf_core.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,10 @@ def run_command(data: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(tmp_path: Path) -> None:
+def test_killed_ppo_resumes_from_its_checkpoint_when_the_pipeline_is_rerun(
+    tmp_path: Path, prefect_database: Path
+) -> None:
+    seed_prefect_home(tmp_path / "prefect-home", prefect_database)
     data = write_topic_pairs(tmp_path / "pairs.jsonl", 160)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     env |= {
